@@ -1,0 +1,149 @@
+"""Per-step attention metadata: a flat, unpadded batch of token trees over a paged cache.
+
+Built once per forward step from each request's `TokenTree`, `context_len` and block
+table, then shared by every layer (and by the draft model's forwards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+
+class TreeLike(Protocol):
+    """What the metadata needs of a tree (`specserve.tree.TokenTree` satisfies it)."""
+
+    @property
+    def depths(self) -> Sequence[int]: ...
+
+    @property
+    def ancestor_mask(self) -> torch.Tensor: ...
+
+    def __len__(self) -> int: ...
+
+
+def slots_for(block_table: Sequence[int], start: int, count: int, block_size: int) -> list[int]:
+    """Physical cache slots of logical positions `start .. start + count - 1`."""
+    needed = -(-(start + count) // block_size)
+    if needed > len(block_table):
+        raise ValueError(
+            f"block table has {len(block_table)} blocks of {block_size} slots, but positions up to "
+            f"{start + count} need {needed}: allocate more blocks before the step"
+        )
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+
+
+@dataclass(eq=False)
+class AttentionMetadata:
+    block_size: int
+    query_start_loc: torch.Tensor  # [B + 1] int64: request b owns flat tokens [start[b], start[b+1])
+    context_lens: torch.Tensor  # [B] int64: tokens already in the cache, attended in full
+    tree_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0 (masked out)
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    positions: torch.Tensor  # [T] int64: context_len + depth
+    ancestor_mask: torch.Tensor  # [B, max_n, max_n] bool, padded with False
+
+    @classmethod
+    def build(
+        cls,
+        trees: Sequence[TreeLike],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        if not (len(trees) == len(context_lens) == len(block_tables)) or not trees:
+            raise ValueError("need one tree, context_len and block table per request (and at least one)")
+        lens = [len(t) for t in trees]
+        max_n = max(lens)
+        max_blocks = max(len(bt) for bt in block_tables)
+        slots: list[int] = []
+        positions: list[int] = []
+        tables = torch.zeros(len(trees), max_blocks, dtype=torch.int64)
+        masks = torch.zeros(len(trees), max_n, max_n, dtype=torch.bool)
+        for b, (tree, ctx, table) in enumerate(zip(trees, context_lens, block_tables, strict=True)):
+            slots += slots_for(table, ctx, len(tree), block_size)
+            positions += [ctx + d for d in tree.depths]
+            tables[b, : len(table)] = torch.as_tensor(table, dtype=torch.int64)
+            masks[b, : len(tree), : len(tree)] = tree.ancestor_mask
+        starts = torch.zeros(len(trees) + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum(torch.as_tensor(lens), 0)
+
+        def as_tensor(x: Sequence[int]) -> torch.Tensor:
+            return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            block_size=block_size,
+            query_start_loc=starts.to(device),
+            context_lens=as_tensor(context_lens),
+            tree_lens=as_tensor(lens),
+            block_tables=tables.to(device),
+            slot_mapping=as_tensor(slots),
+            positions=as_tensor(positions),
+            ancestor_mask=masks.to(device),
+        )
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        return self.context_lens.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.numel()
+
+    @cached_property
+    def max_tree_len(self) -> int:
+        return int(self.tree_lens.max())
+
+    @cached_property
+    def max_seq_len(self) -> int:
+        """Longest `context_len + tree_len`: the keys one request attends to, at most."""
+        return int((self.context_lens + self.tree_lens).max())
+
+    # -- derived index tensors for the padded (reference) path ---------------------------
+
+    @cached_property
+    def padded_index(self) -> torch.Tensor:
+        """Flat token t of request b, node i -> row `b * max_tree_len + i` of a padded batch."""
+        starts = self.query_start_loc[:-1]
+        request = torch.repeat_interleave(torch.arange(self.num_requests, device=starts.device), self.tree_lens)
+        node = torch.arange(self.num_tokens, device=starts.device) - starts[request]
+        return request * self.max_tree_len + node
+
+    @cached_property
+    def key_mask(self) -> torch.Tensor:
+        """[B, 1, max_n, max_seq_len] bool: cached context in full, then the tree's ancestors."""
+        seq = torch.arange(self.max_seq_len, device=self.context_lens.device)
+        ctx = self.context_lens[:, None]
+        in_context = (seq[None, :] < ctx)[:, None, :]  # [B, 1, L]
+        rel = seq[None, :] - ctx  # key j is tree node j - ctx
+        in_tree = (rel >= 0) & (rel < self.tree_lens[:, None])
+        node = rel.clamp(0, self.max_tree_len - 1)[:, None, :].expand(-1, self.max_tree_len, -1)
+        tree_part = torch.gather(self.ancestor_mask, 2, node) & in_tree[:, None, :]
+        mask = in_context | tree_part
+        # Padding rows see nothing; let them see key 0 so softmax stays finite (output discarded).
+        mask[:, :, 0] |= ~mask.any(-1)
+        return mask[:, None]
+
+
+def compaction_slots(
+    block_table: Sequence[int], context_len: int, accepted_nodes: Sequence[int], block_size: int
+) -> tuple[list[int], list[int]]:
+    """Source and destination slots that move an accepted path's K/V to contiguous slots.
+
+    `accepted_nodes` are tree node indices `a_0 = 0 < a_1 < ... < a_m`; node `a_j` was
+    written at slot `context_len + a_j` and belongs at `context_len + j`.
+    """
+    if list(accepted_nodes) != sorted(set(accepted_nodes)):
+        raise ValueError(f"accepted nodes must be strictly increasing, got {list(accepted_nodes)}")
+    moves = [(a, j) for j, a in enumerate(accepted_nodes) if a != j]
+    src = [slots_for(block_table, context_len + a, 1, block_size)[0] for a, _ in moves]
+    dst = [slots_for(block_table, context_len + j, 1, block_size)[0] for _, j in moves]
+    return src, dst

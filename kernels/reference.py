@@ -1,0 +1,85 @@
+"""Torch implementation of tree attention over a paged KV cache.
+
+This is the CPU path and the oracle the Triton kernel must match. Semantics (one call
+serves prefill chains, decode nodes and verification trees alike):
+
+* new token t of request b (tree node i) writes its K/V at slot `context_len + i` of b's
+  logical sequence, i.e. physical slot `meta.slot_mapping[t]`;
+* it attends to b's `context_len` cached tokens and to its ancestors and itself.
+
+Caches are `[num_blocks, block_size, num_kv_heads, head_dim]` per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V (`[T, Hkv, D]`) into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_tree_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of new tokens `q` (`[T, Hq, D]`) over the cache (their own K/V already written).
+
+    Requests are padded to one batch so a whole step is a single SDPA call: on a CPU the
+    per-call overhead, not the arithmetic, dominates small decode steps.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    batch, max_n, seq_len = meta.num_requests, meta.max_tree_len, meta.max_seq_len
+    bs = meta.block_size
+    blocks = meta.block_tables[:, : -(-seq_len // bs)]
+    keys = k_cache[blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[blocks].flatten(1, 2)[:, :seq_len].transpose(1, 2)
+    if batch == 1:
+        queries = q.view(1, max_n, num_heads, head_dim)
+    else:
+        queries = q.new_zeros(batch * max_n, num_heads, head_dim)
+        queries[meta.padded_index] = q
+        queries = queries.view(batch, max_n, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=meta.key_mask,
+        scale=scale,
+        enable_gqa=num_heads != keys.shape[1],
+    )
+    out = out.transpose(1, 2).reshape(batch * max_n, num_heads, head_dim)
+    return out if batch == 1 else out[meta.padded_index]
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The one attention entry point: write the step's K/V, then attend under the tree mask."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_tree_attention(q, k_cache, v_cache, meta, scale)
+
+
+def compact_kv(cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Move K or V from `src_slots` to `dst_slots` (flat slot indices) in place.
+
+    `cache` is `[..., num_blocks, block_size, H, D]` (leading dims, e.g. layers, allowed).
+    The source rows are gathered before any write, so overlapping moves are safe.
+    """
+    if src_slots.numel() == 0:
+        return
+    flat = cache.view(*cache.shape[:-4], -1, *cache.shape[-2:])
+    flat[..., dst_slots, :, :] = flat[..., src_slots, :, :]

@@ -1,0 +1,1 @@
+"""Target models: our Llama-family implementation over the paged KV cache and tree attention."""

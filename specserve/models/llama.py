@@ -1,0 +1,133 @@
+"""Our Llama-family model (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
+
+Every forward runs a flat, unpadded batch of token trees (see `specserve.tree`): prefill,
+decode and verification are the same call. Q/K/V and gate/up are fused into single
+matmuls because on a CPU each small linear costs tens of microseconds of overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels.metadata import AttentionMetadata
+from specserve.kv_cache import KVCache
+from specserve.models.config import ModelConfig
+from specserve.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """Normalises in fp32 and casts back before the weight, exactly as transformers does."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache.layer(self.layer_index)
+        out = kernels.tree_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [len(logits_indices), vocab] fp32
+    hidden: torch.Tensor | None  # [T, hidden] final-normed hidden states, when asked for
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None  # built after weights are loaded (not on meta)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def init_rotary(self) -> None:
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        logits_indices: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Run the step's trees; logits only for `logits_indices` (all tokens when None)."""
+        if self.rotary is None:
+            raise RuntimeError("call init_rotary() after loading weights")
+        cos, sin = self.rotary(meta.positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        if logits_indices is not None and not return_hidden:
+            x = x[logits_indices]  # normalise only the rows whose logits we need
+            logits_indices = None
+        hidden = self.norm(x)
+        selected = hidden if logits_indices is None else hidden[logits_indices]
+        return ForwardOutput(logits=self.lm_head(selected).float(), hidden=hidden if return_hidden else None)
