@@ -47,6 +47,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     positions: torch.Tensor  # [T] int64: context_len + depth
     ancestor_mask: torch.Tensor  # [B, max_n, max_n] bool, padded with False
+    all_chains: bool = False  # every tree is a chain (pure prefill / decode): a causal mask suffices
 
     @classmethod
     def build(
@@ -86,6 +87,7 @@ class AttentionMetadata:
             slot_mapping=as_tensor(slots),
             positions=as_tensor(positions),
             ancestor_mask=masks.to(device),
+            all_chains=all(len(t) == 1 or getattr(t, "is_chain", False) for t in trees),
         )
 
     # -- sizes ----------------------------------------------------------------------------
@@ -97,6 +99,11 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.numel()
+
+    @cached_property
+    def is_fresh_prefill(self) -> bool:
+        """One request, a chain, nothing cached: plain causal attention over the new tokens."""
+        return self.num_requests == 1 and self.all_chains and int(self.context_lens[0]) == 0
 
     @cached_property
     def max_tree_len(self) -> int:

@@ -36,6 +36,8 @@ def paged_tree_attention(
     per-call overhead, not the arithmetic, dominates small decode steps.
     """
     num_tokens, num_heads, head_dim = q.shape
+    if meta.is_fresh_prefill:
+        return _causal_prefill(q, k_cache, v_cache, meta, scale)
     batch, max_n, seq_len = meta.num_requests, meta.max_tree_len, meta.max_seq_len
     bs = meta.block_size
     blocks = meta.block_tables[:, : -(-seq_len // bs)]
@@ -57,6 +59,21 @@ def paged_tree_attention(
     )
     out = out.transpose(1, 2).reshape(batch * max_n, num_heads, head_dim)
     return out if batch == 1 else out[meta.padded_index]
+
+
+def _causal_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """A lone chain with an empty context: `is_causal` needs no mask (and is what transformers runs)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping].transpose(0, 1)
+    values = v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping].transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
+        is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[0].transpose(0, 1).reshape(num_tokens, num_heads, head_dim)
 
 
 def tree_attention(

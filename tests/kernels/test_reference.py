@@ -1,0 +1,153 @@
+"""The torch reference tree attention against a dense masked-softmax computation."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kernels.metadata import AttentionMetadata, compaction_slots, slots_for
+from kernels.reference import compact_kv, tree_attention
+from specserve.tree import TokenTree
+
+
+def random_tree(rng: random.Random, n: int, shape: str) -> TokenTree:
+    if shape == "chain":
+        return TokenTree.chain([rng.randrange(100) for _ in range(n)])
+    if shape == "single":
+        return TokenTree.single(rng.randrange(100))
+    parents = [-1] + [rng.randrange(i) if shape == "random" else max(0, i - rng.choice([1, 1, 2])) for i in range(1, n)]
+    return TokenTree(tuple(rng.randrange(100) for _ in range(n)), tuple(parents))
+
+
+def dense_attention(q, keys, values, mask, scale):
+    """softmax(q k^T * scale + mask) v in float64, GQA by repeating K/V heads."""
+    groups = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(groups, dim=1)
+    v = values.double().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    scores = scores.masked_fill(~mask[None], -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, head_dim: int, shapes, dtype):
+    """Requests with random contexts already in a shuffled paged cache, plus a tree each."""
+    requests = []
+    for shape in shapes:
+        ctx = rng.randrange(0, 70)
+        tree = random_tree(rng, rng.randrange(1, 12), shape)
+        requests.append((ctx, tree))
+    blocks_needed = [-(-(ctx + len(tree)) // block_size) for ctx, tree in requests]
+    num_blocks = sum(blocks_needed) + 3
+    order = list(range(num_blocks))
+    rng.shuffle(order)  # non-contiguous, interleaved block tables
+    tables, used = [], 0
+    for count in blocks_needed:
+        tables.append(order[used : used + count])
+        used += count
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    return requests, tables, k_cache, v_cache
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (8, 2), (4, 1)])
+def test_tree_attention_matches_dense(seed, block_size, heads, kv_heads):
+    rng = random.Random(seed * 1000 + block_size)
+    shapes = [rng.choice(["chain", "single", "random", "deep"]) for _ in range(rng.randrange(1, 5))]
+    head_dim = 16
+    requests, tables, k_cache, v_cache = make_case(rng, block_size, heads, kv_heads, head_dim, shapes, torch.float32)
+    old_k, old_v = k_cache.clone(), v_cache.clone()
+    trees = [t for _, t in requests]
+    meta = AttentionMetadata.build(trees, [c for c, _ in requests], tables, block_size)
+    total = sum(len(t) for t in trees)
+    q = torch.randn(total, heads, head_dim)
+    k = torch.randn(total, kv_heads, head_dim)
+    v = torch.randn(total, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    out = tree_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+    start = 0
+    for (ctx, tree), table in zip(requests, tables, strict=True):
+        n = len(tree)
+        ctx_slots = slots_for(table, 0, ctx, block_size)
+        flat_k, flat_v = old_k.view(-1, kv_heads, head_dim), old_v.view(-1, kv_heads, head_dim)
+        keys = torch.cat([flat_k[ctx_slots], k[start : start + n]])
+        values = torch.cat([flat_v[ctx_slots], v[start : start + n]])
+        mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), tree.ancestor_mask], dim=1)
+        expected = dense_attention(q[start : start + n], keys, values, mask, scale)
+        torch.testing.assert_close(out[start : start + n].double(), expected, atol=1e-5, rtol=1e-5)
+        # the step's own K/V were written at slots context_len + i
+        new_slots = slots_for(table, ctx, n, block_size)
+        assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[new_slots], k[start : start + n])
+        assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[new_slots], v[start : start + n])
+        start += n
+
+
+def test_positions_and_slots_follow_depth_and_tree_order():
+    tree = TokenTree((5, 6, 7, 8), (-1, 0, 0, 1))
+    meta = AttentionMetadata.build([tree], [10], [[3, 1]], block_size=8)
+    assert meta.positions.tolist() == [10, 11, 11, 12]
+    assert meta.slot_mapping.tolist() == [1 * 8 + 2, 1 * 8 + 3, 1 * 8 + 4, 1 * 8 + 5]
+
+
+def test_block_table_too_short_is_a_clear_error():
+    with pytest.raises(ValueError, match="allocate more blocks"):
+        AttentionMetadata.build([TokenTree.chain([1, 2, 3])], [14], [[0]], block_size=16)
+
+
+def test_compaction_moves_accepted_path_to_contiguous_slots():
+    layers, blocks, block_size, heads, dim = 3, 6, 4, 2, 8
+    cache = torch.randn(layers, blocks, block_size, heads, dim)
+    table, ctx = [4, 0, 2], 3
+    accepted = [0, 2, 5, 6]  # root, then nodes 2, 5, 6 of the tree
+    src, dst = compaction_slots(table, ctx, accepted, block_size)
+    before = cache.clone().view(layers, -1, heads, dim)
+    compact_kv(cache, torch.tensor(src), torch.tensor(dst))
+    after = cache.view(layers, -1, heads, dim)
+    for j, a in enumerate(accepted):
+        (dst_slot,) = slots_for(table, ctx + j, 1, block_size)
+        (src_slot,) = slots_for(table, ctx + a, 1, block_size)
+        assert torch.equal(after[:, dst_slot], before[:, src_slot])
+    untouched = set(range(blocks * block_size)) - set(dst)
+    for slot in untouched:
+        assert torch.equal(after[:, slot], before[:, slot])
+
+
+def test_compaction_rejects_unsorted_paths():
+    with pytest.raises(ValueError):
+        compaction_slots([0], 0, [0, 3, 2], 16)
+
+
+def test_attention_after_compaction_equals_attention_on_the_path():
+    """Verify a tree, keep one path, compact: the cache then reads as if only the path was run."""
+    torch.manual_seed(7)
+    heads, kv_heads, dim, block_size = 4, 2, 16, 4
+    tree = TokenTree((1, 2, 3, 4, 5, 6), (-1, 0, 0, 2, 3, 2))
+    table, ctx = [2, 0, 3, 1], 5
+    k_cache = torch.randn(4, block_size, kv_heads, dim)
+    v_cache = torch.randn(4, block_size, kv_heads, dim)
+    q = torch.randn(len(tree), heads, dim)
+    k = torch.randn(len(tree), kv_heads, dim)
+    v = torch.randn(len(tree), kv_heads, dim)
+    meta = AttentionMetadata.build([tree], [ctx], [table], block_size)
+    tree_attention(q, k, v, k_cache, v_cache, meta, 0.25)
+    path = tree.path_to(4)  # [0, 2, 3, 4]
+    src, dst = compaction_slots(table, ctx, path, block_size)
+    compact_kv(k_cache, torch.tensor(src), torch.tensor(dst))
+    compact_kv(v_cache, torch.tensor(src), torch.tensor(dst))
+    # a query attending to ctx + len(path) cached tokens sees exactly context + path
+    probe = torch.randn(1, heads, dim)
+    probe_k = torch.randn(1, kv_heads, dim)
+    probe_v = torch.randn(1, kv_heads, dim)
+    meta2 = AttentionMetadata.build([TokenTree.single(0)], [ctx + len(path)], [table], block_size)
+    out2 = tree_attention(probe, probe_k, probe_v, k_cache.clone(), v_cache.clone(), meta2, 0.25)
+    ctx_slots = slots_for(table, 0, ctx, block_size)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    keys = torch.cat([flat_k[ctx_slots], k[path], probe_k])
+    values = torch.cat([flat_v[ctx_slots], v[path], probe_v])
+    expected = dense_attention(probe, keys, values, torch.ones(1, len(keys), dtype=torch.bool), 0.25)
+    torch.testing.assert_close(out2.double(), expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,145 @@
+"""Our Llama-family model against transformers' own implementation of the same weights.
+
+Prompt logits, 16 decode steps over the paged cache, and a branching tree whose every
+node's logits must equal transformers' logits on that node's root-to-node path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve.kv_cache import KVCache
+from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.models.loader import load_model
+from specserve.tree import TokenTree
+
+BRANCHING = (-1, 0, 0, 1, 1, 2, 3, 3, 5)  # a root with two subtrees of uneven depth
+
+
+class Comparison:
+    """Runs the same token sequences through our model and transformers, collecting logits."""
+
+    def __init__(self, path, dtype: torch.dtype, block_size: int = 16):
+        self.ours = load_model(path, dtype)
+        self.theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        blocks = 64
+        self.runner = ModelRunner(self.ours, KVCache.for_model(self.ours.config, blocks, block_size, dtype))
+        self.table = list(reversed(range(blocks)))  # non-contiguous on purpose
+
+    @torch.no_grad()
+    def run(self, prompt: list[int], decode_steps: int, tree_tokens: list[int]):
+        """Yields (what, ours, theirs) logits for the prompt, each decode step, and the tree's nodes.
+
+        transformers runs as it generates: the prompt, then one token at a time on its own KV
+        cache; each tree node is its root-to-node path run on top of that cache.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.theirs.config)
+
+        def theirs(ids: list[int]) -> torch.Tensor:
+            return self.theirs(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0].float()
+
+        ours = self.runner.forward([TreeRequest(TokenTree.chain(prompt), 0, self.table)])[0].logits
+        yield "prompt", ours, theirs(prompt)
+        context = len(prompt)
+        for step in range(decode_steps):
+            token = int(ours[-1].argmax())
+            ours = self.runner.forward([TreeRequest(TokenTree.single(token), context, self.table)])[0].logits
+            context += 1
+            yield f"decode {step}", ours, theirs([token])
+        tree = TokenTree(tuple(tree_tokens), BRANCHING)
+        ours = self.runner.forward([TreeRequest(tree, context, self.table)])[0].logits
+        rows = []
+        for i in range(len(tree)):
+            path = tree.path_tokens(i)
+            rows.append(theirs(path)[-1])
+            cache.crop(-len(path))
+        yield "tree", ours, torch.stack(rows)
+
+
+TINY_CONFIGS = {
+    "llama": ("llama", {}),
+    "llama-tied-mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama-mqa-bias": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True}),
+    "llama3-rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 64}}),
+    "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    "yarn-rope": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 64}}),
+    "qwen2": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "mistral": ("mistral", {"sliding_window": None}),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_tiny_random_model_matches_transformers_fp32(tiny_checkpoint, name):
+    model_type, overrides = TINY_CONFIGS[name]
+    path = tiny_checkpoint(model_type, **overrides)
+    cmp = Comparison(path, torch.float32, block_size=4)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 211, (37,), generator=gen).tolist()
+    tree_tokens = torch.randint(0, 211, (len(BRANCHING),), generator=gen).tolist()
+    for what, ours, theirs in cmp.run(prompt, 16, tree_tokens):
+        assert ours.shape == theirs.shape, what
+        err = (ours - theirs).abs().max().item()
+        assert err <= 1e-4, f"{name} {what}: max abs error {err:.2e}"
+
+
+def test_qwen2_has_qkv_bias_and_untied_head(tiny_checkpoint):
+    path = tiny_checkpoint("qwen2")
+    model = load_model(path, torch.float32)
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    assert model.layers[0].self_attn.o_proj.bias is None
+    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
+
+
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden press adapted from wine making. "
+    "Within fifty years presses were operating in more than two hundred cities across Europe, and "
+    "the cost of books fell so far that reading spread from monasteries and universities to "
+    "merchants and craftsmen. Historians still argue about how much of the Reformation, the "
+    "scientific revolution and the rise of vernacular literature followed from this one machine. "
+    "Steam power arrived in the nineteenth century: rotary presses fed by continuous rolls of paper "
+    "printed tens of thousands of newspaper pages an hour, and linotype machines let one operator set "
+    "a line of type from a keyboard. Daily papers became cheap enough for factory workers, political "
+    "movements learned to speak to a mass audience, and advertising paid for much of what was printed. "
+    "Offset lithography, phototypesetting and finally desktop publishing each cut the cost again, until "
+    "anyone with a personal computer and a laser printer could produce a pamphlet in an afternoon."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_case(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path))
+    prompt = tok.encode(PROMPT)
+    tree_tokens = tok.encode(" the press of a new age in which every reader could own a book")[: len(BRANCHING)]
+    assert len(tree_tokens) == len(BRANCHING)
+    return smollm2_path, prompt, tree_tokens
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_fp32(smollm2_case):
+    path, prompt, tree_tokens = smollm2_case
+    for what, ours, theirs in Comparison(path, torch.float32).run(prompt, 16, tree_tokens):
+        err = (ours - theirs).abs().max().item()
+        assert err <= 1e-4, f"SmolLM2 fp32 {what}: max abs error {err:.2e}"
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_argmax_agrees(smollm2_case):
+    path, prompt, tree_tokens = smollm2_case
+    agree = total = 0
+    max_err = 0.0
+    for _, ours, theirs in Comparison(path, torch.bfloat16).run(prompt, 16, tree_tokens):
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += ours.shape[0]
+        max_err = max(max_err, (ours - theirs).abs().max().item())
+    print(f"SmolLM2 bf16: argmax agreement {agree}/{total} = {agree / total:.2%}, max abs error {max_err:.3f}")
+    assert agree / total >= 0.99
