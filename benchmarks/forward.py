@@ -15,6 +15,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,37 +30,50 @@ from specserve.tree import TokenTree
 RESULTS = Path(__file__).parent / "results"
 
 
-def time_ours(model, prefix: list[int], new: list[int], repeats: int, warmup: int) -> list[float]:
+def ours_step(model, prefix: list[int], new: list[int]) -> Callable[[], float]:
+    """Prefill the prefix once; each call times one forward of the new tokens."""
     block_size = 16
     blocks = -(-(len(prefix) + len(new)) // block_size)
     runner = ModelRunner(model, KVCache.for_model(model.config, blocks, block_size, model.dtype))
     table = list(range(blocks))
     runner.forward([TreeRequest(TokenTree.chain(prefix), 0, table, logits="last")])
     step = [TreeRequest(TokenTree.chain(new), len(prefix), table, logits="all")]
-    times = []
-    for i in range(warmup + repeats):
+
+    def run() -> float:
         start = time.perf_counter()
         runner.forward(step)  # rewrites the same slots each time: the cache stays at the prefix
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        return time.perf_counter() - start
+
+    return run
 
 
-@torch.inference_mode()
-def time_transformers(model, prefix: list[int], new: list[int], repeats: int, warmup: int) -> list[float]:
+def transformers_step(model, prefix: list[int], new: list[int]) -> Callable[[], float]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+    with torch.inference_mode():
+        model(torch.tensor([prefix]), past_key_values=cache, use_cache=True)
     ids = torch.tensor([new])
-    times = []
-    for i in range(warmup + repeats):
+
+    @torch.inference_mode()
+    def run() -> float:
         start = time.perf_counter()
         model(ids, past_key_values=cache, use_cache=True)
         elapsed = time.perf_counter() - start
         cache.crop(-len(new))  # back to the prefix (outside the timed region)
-        if i >= warmup:
-            times.append(elapsed)
+        return elapsed
+
+    return run
+
+
+def interleaved(steps: dict[str, Callable[[], float]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Alternate the contenders call by call, so machine noise hits both alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(warmup + repeats):
+        for name, step in steps.items():
+            elapsed = step()
+            if i >= warmup:
+                times[name].append(elapsed)
     return times
 
 
@@ -87,8 +101,11 @@ def main() -> None:
     rows = []
     for n in tqdm([int(s) for s in args.sizes.split(",")], desc="sizes"):
         new = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        ours_t = time_ours(ours, prefix, new, args.repeats, args.warmup)
-        theirs_t = time_transformers(theirs, prefix, new, args.repeats, args.warmup)
+        times = interleaved(
+            {"ours": ours_step(ours, prefix, new), "theirs": transformers_step(theirs, prefix, new)},
+            args.repeats, args.warmup,
+        )
+        ours_t, theirs_t = times["ours"], times["theirs"]
         o, t = statistics.median(ours_t), statistics.median(theirs_t)
         rows.append({"new_tokens": n, "ours_ms": o * 1e3, "transformers_ms": t * 1e3, "ratio": o / t,
                      "ours_all_ms": [x * 1e3 for x in ours_t], "transformers_all_ms": [x * 1e3 for x in theirs_t]})
@@ -104,7 +121,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     table = [
         f"Forward time after a {args.prefix}-token prefix, {args.model}, {args.dtype}, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats} (after {args.warmup} warm-up)",
+        f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved runs (after {args.warmup} warm-up)",
         "",
         "| new tokens | specserve (ms) | transformers (ms) | specserve / transformers |",
         "|---:|---:|---:|---:|",

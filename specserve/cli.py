@@ -43,11 +43,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     generator = Generator(resolve_model(args.target), dtype=args.dtype)
     prompt_ids = generator.encode(args.prompt, raw=args.raw)
     gen = None
-    for _, delta, gen in generator.stream(prompt_ids, args.max_tokens, args.temperature, args.seed):
+    for _, delta, progress in generator.stream(prompt_ids, args.max_tokens, args.temperature, args.seed):
+        gen = progress
         if not args.json and delta:
             sys.stdout.write(delta)
             sys.stdout.flush()
-    assert gen is not None
+    assert gen is not None  # stream() always yields at least one token
     if args.json:
         print(json.dumps({
             "text": gen.text,
