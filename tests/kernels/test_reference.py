@@ -151,3 +151,20 @@ def test_attention_after_compaction_equals_attention_on_the_path():
     values = torch.cat([flat_v[ctx_slots], v[path], probe_v])
     expected = dense_attention(probe, keys, values, torch.ones(1, len(keys), dtype=torch.bool), 0.25)
     torch.testing.assert_close(out2.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("n", [1, 5, 37])
+def test_fresh_prefill_fast_path_matches_dense(heads, kv_heads, n):
+    """A lone chain with nothing cached takes the mask-free causal path; same semantics."""
+    torch.manual_seed(n)
+    block_size, dim = 4, 16
+    table = list(reversed(range(-(-n // block_size))))
+    meta = AttentionMetadata.build([TokenTree.chain(list(range(n)))], [0], [table], block_size)
+    assert meta.is_fresh_prefill
+    k_cache = torch.zeros(len(table), block_size, kv_heads, dim)
+    v_cache = torch.zeros(len(table), block_size, kv_heads, dim)
+    q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    out = tree_attention(q, k, v, k_cache, v_cache, meta, 0.3)
+    expected = dense_attention(q, k, v, torch.ones(n, n, dtype=torch.bool).tril(), 0.3)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
