@@ -2,7 +2,8 @@
 
 Every forward runs a flat, unpadded batch of token trees (see `specserve.tree`): prefill,
 decode and verification are the same call. Q/K/V and gate/up are fused into single
-matmuls because on a CPU each small linear costs tens of microseconds of overhead.
+matmuls for small steps because on a CPU each small linear costs tens of microseconds of
+overhead (see `specserve.models.linear`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import kernels
 from kernels.metadata import AttentionMetadata
 from specserve.kv_cache import KVCache
 from specserve.models.config import ModelConfig
+from specserve.models.linear import Projection
 from specserve.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -33,13 +35,6 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-# Steps of at least this many tokens run Q, K and V as three matmuls over slices of the fused
-# weight: they are compute-bound, so fusing saves nothing, and oneDNN picks a different
-# accumulation order for the wider fused matmul at large M; split, a long prefill is bit-identical
-# to transformers' separate projections. Small steps (decode, trees) are overhead-bound: fused.
-SPLIT_QKV_MIN_TOKENS = 128
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
@@ -48,8 +43,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Projection(config.hidden_size, [self.q_size, self.kv_size, self.kv_size])
+        self.o_proj = Projection(self.q_size, [config.hidden_size])
 
     def forward(
         self,
@@ -60,7 +55,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self._project_qkv(x)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -68,20 +63,12 @@ class Attention(nn.Module):
         out = kernels.tree_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
-    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        sizes = [self.q_size, self.kv_size, self.kv_size]
-        if x.shape[0] < SPLIT_QKV_MIN_TOKENS:
-            return self.qkv_proj(x).split(sizes, dim=-1)
-        weights = self.qkv_proj.weight.split(sizes, dim=0)
-        biases = self.qkv_proj.bias.split(sizes) if self.qkv_proj.bias is not None else (None,) * 3
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Projection(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = Projection(config.intermediate_size, [config.hidden_size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -114,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Projection(config.hidden_size, [config.vocab_size])
         self.rotary: RotaryEmbedding | None = None  # built after weights are loaded (not on meta)
 
     @property

@@ -1,19 +1,26 @@
 """Load a Hugging Face-style directory (config.json + safetensors) into our model.
 
-The model is built on the meta device (no memory, no init cost), then the checkpoint's
-tensors are fused (q/k/v, gate/up) and assigned in place.
+The model is built on the meta device (no memory, no init cost); then each module takes its
+tensors from the checkpoint: norms and embeddings as parameters, projections as blocks
+(q/k/v, gate/up) that `Projection` fuses, packs or keeps plain (see `specserve.models.linear`).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from specserve.models.config import ModelConfig
+from specserve.models.linear import packing_available
 from specserve.models.llama import LlamaForCausalLM
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def default_dtype() -> torch.dtype:
@@ -47,50 +54,99 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _mapped_tensors(file: Path, mappings: list[mmap.mmap]) -> dict[str, torch.Tensor]:
+    """Zero-copy views of a safetensors file (private, copy-on-write mapping)."""
+    with open(file, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mappings.append(mapping)
     tensors = {}
-    for file in _checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[name.removeprefix("model.")] = f.get_tensor(name).to(dtype)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        count, offset = (end - start) // dtype.itemsize, 8 + header_len + start
+        tensors[name] = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset).view(info["shape"])
     return tensors
 
 
-def _fuse(config: ModelConfig, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename a transformers checkpoint to our module names, fusing q/k/v and gate/up."""
-    state: dict[str, torch.Tensor] = {}
-    for i in range(config.num_layers):
-        src, dst = f"layers.{i}.", f"layers.{i}."
-        for suffix in ("weight", "bias") if config.qkv_bias else ("weight",):
-            parts = [raw.pop(f"{src}self_attn.{p}_proj.{suffix}") for p in "qkv"]
-            state[f"{dst}self_attn.qkv_proj.{suffix}"] = torch.cat(parts, 0)
-        for suffix in ("weight", "bias") if config.mlp_bias else ("weight",):
-            parts = [raw.pop(f"{src}mlp.{p}_proj.{suffix}") for p in ("gate", "up")]
-            state[f"{dst}mlp.gate_up_proj.{suffix}"] = torch.cat(parts, 0)
-    for name in list(raw):
-        if "rotary_emb" in name:  # old checkpoints stored inv_freq; we recompute it
-            raw.pop(name)
-    state.update(raw)  # o_proj, down_proj, norms, embeddings, lm_head keep their names
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return state
+def _read_tensors(path: Path, mappings: list[mmap.mmap] | None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint; memory-mapped (views) when `mappings` collects the maps."""
+    tensors = {}
+    for file in _checkpoint_files(path):
+        if mappings is not None:
+            tensors.update(_mapped_tensors(file, mappings))
+        else:
+            with safe_open(str(file), framework="pt") as f:
+                tensors.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    return {name.removeprefix("model."): t for name, t in tensors.items() if "rotary_emb" not in name}
+
+
+def _checkpoint_dtypes(path: Path) -> set[torch.dtype]:
+    dtypes = set()
+    for file in _checkpoint_files(path):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        dtypes |= {SAFETENSORS_DTYPES.get(v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+    return dtypes
+
+
+class _Checkpoint:
+    """Hands out tensors by name in the model's dtype and remembers what was never asked for."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
+        self.tensors, self.dtype, self.path = tensors, dtype, path
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"checkpoint in {self.path} has no tensor {name!r}: is it a Llama-family model?")
+        tensor = self.tensors.pop(name)
+        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+
+    def parameter(self, name: str) -> nn.Parameter:
+        return nn.Parameter(self.take(name), requires_grad=False)
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
     path = Path(path)
     config = ModelConfig.from_dir(path)
     dtype = parse_dtype(dtype)
+    # Packed mode maps the checkpoint instead of reading it: its plain weights stay file-backed.
+    pack = packing_available(dtype) and _checkpoint_dtypes(path) == {dtype}
+    mappings: list[mmap.mmap] = []
+    ckpt = _Checkpoint(_read_tensors(path, mappings if pack else None), dtype, path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state = _fuse(config, _read_tensors(path, dtype))
+
+    for i, layer in enumerate(model.layers):
+        attn, mlp, prefix = layer.self_attn, layer.mlp, f"layers.{i}."
+
+        def weights(names: list[str], bias: bool, prefix=prefix):
+            blocks = [ckpt.take(f"{prefix}{n}.weight") for n in names]
+            return blocks, [ckpt.take(f"{prefix}{n}.bias") for n in names] if bias else None
+
+        attn.qkv_proj.load(*weights([f"self_attn.{p}_proj" for p in "qkv"], config.qkv_bias), pack=pack)
+        attn.o_proj.load(*weights(["self_attn.o_proj"], config.o_bias), pack=pack)
+        mlp.gate_up_proj.load(*weights(["mlp.gate_proj", "mlp.up_proj"], config.mlp_bias), pack=pack)
+        mlp.down_proj.load(*weights(["mlp.down_proj"], config.mlp_bias), pack=pack)
+        layer.input_layernorm.weight = ckpt.parameter(f"{prefix}input_layernorm.weight")
+        layer.post_attention_layernorm.weight = ckpt.parameter(f"{prefix}post_attention_layernorm.weight")
+    model.embed_tokens.weight = ckpt.parameter("embed_tokens.weight")
+    model.norm.weight = ckpt.parameter("norm.weight")
     if config.tie_word_embeddings:
-        del model.lm_head.weight
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint in {path} does not match the {config.model_type} layout: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+        ckpt.tensors.pop("lm_head.weight", None)  # some exports store the tied copy too
+        head = model.embed_tokens.weight.data
+    else:
+        head = ckpt.take("lm_head.weight")
+    model.lm_head.load([head], None, pack=pack)
+    if ckpt.tensors:
+        raise ValueError(f"checkpoint in {path} has tensors our {config.model_type} model does not use: "
+                         f"{sorted(ckpt.tensors)[:5]}")
+    for mapping in mappings:
+        # Packing read every page; only large steps need them again. Never written, so the
+        # kernel can simply drop them (they fault back in from the file on demand).
+        mapping.madvise(mmap.MADV_DONTNEED)
     model.init_rotary()
     return model.eval().requires_grad_(False)

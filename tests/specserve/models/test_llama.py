@@ -92,9 +92,9 @@ def test_tiny_random_model_matches_transformers_fp32(tiny_checkpoint, name):
 def test_qwen2_has_qkv_bias_and_untied_head(tiny_checkpoint):
     path = tiny_checkpoint("qwen2")
     model = load_model(path, torch.float32)
-    assert model.layers[0].self_attn.qkv_proj.bias is not None
-    assert model.layers[0].self_attn.o_proj.bias is None
-    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
+    assert model.layers[0].self_attn.qkv_proj.fused_bias is not None
+    assert model.layers[0].self_attn.o_proj.fused_bias is None
+    assert model.lm_head.blocks[0].data_ptr() != model.embed_tokens.weight.data_ptr()
 
 
 PROMPT = (

@@ -1,0 +1,84 @@
+"""Linear projections that keep two forms of the same weights, one per regime of step size.
+
+`y = x W^T + b`, where W stacks row blocks `[W_0; W_1; ...]` (q/k/v, gate/up, or one block).
+
+* Small steps (decode, verification trees, short chunks: < LARGE_STEP_TOKENS tokens) are bound by
+  memory bandwidth and per-call overhead. They run one fused matmul; in bf16 on a CPU with
+  oneDNN, over a weight prepacked once for the AMX kernel (a plain bf16 matmul re-lays out its
+  weight on every call: packing makes a SmolLM2 decode step about 20% faster).
+* Large steps (long prefill chunks) are compute-bound, so fusing saves nothing. They run one
+  matmul per block over the plain weights: the very calls transformers makes, so a long prompt
+  gives bit-identical results (oneDNN picks its accumulation order by shape, and both the fused
+  and the packed matmuls round differently from transformers' at a few hundred rows).
+
+In packed mode the plain blocks are zero-copy views of the memory-mapped checkpoint: file-backed
+pages the kernel can drop under pressure, touched only by large steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LARGE_STEP_TOKENS = 128
+PACK_BATCH_HINT = 64  # the oneDNN packing measured fastest for every step size up to 128 tokens
+
+
+def packing_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """bf16 on a CPU whose oneDNN has native bf16 (AVX512-BF16 / AMX); SPECSERVE_PACKED_LINEAR=0 turns it off."""
+    if os.environ.get("SPECSERVE_PACKED_LINEAR", "1") == "0":
+        return False
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Projection(nn.Module):
+    def __init__(self, in_features: int, out_sizes: Sequence[int]):
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        self.blocks: list[torch.Tensor] = []  # plain weight per block, [out_i, in]
+        self.biases: list[torch.Tensor | None] = []
+        self.fused: torch.Tensor | None = None  # plain fused weight (unpacked mode)
+        self.packed: torch.Tensor | None = None  # oneDNN-packed fused weight (packed mode)
+        self.fused_bias: torch.Tensor | None = None
+
+    def load(self, blocks: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None, pack: bool) -> None:
+        """Take the checkpoint's weights (one per block, in order); `pack` selects packed mode."""
+        shapes = [tuple(b.shape) for b in blocks]
+        if shapes != [(n, self.in_features) for n in self.out_sizes]:
+            raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
+        self.fused_bias = torch.cat(list(biases)) if biases else None
+        self.biases = list(self.fused_bias.split(self.out_sizes)) if biases else [None] * len(blocks)
+        fused = blocks[0] if len(blocks) == 1 else torch.cat(list(blocks))
+        if pack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(fused, PACK_BATCH_HINT)
+            self.blocks = list(blocks)
+        else:  # one copy: the blocks are views of the fused weight
+            self.fused = fused
+            self.blocks = list(fused.split(self.out_sizes))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks[0].dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < LARGE_STEP_TOKENS:
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.fused_bias, "none", [], "")
+            return F.linear(x, self.fused, self.fused_bias)
+        if len(self.blocks) == 1:
+            return F.linear(x, self.blocks[0], self.biases[0])
+        return torch.cat([F.linear(x, w, b) for w, b in zip(self.blocks, self.biases, strict=True)], dim=-1)
+
+    def extra_repr(self) -> str:
+        mode = "packed" if self.packed is not None else "plain"
+        return f"in_features={self.in_features}, out_sizes={self.out_sizes}, {mode}"
