@@ -118,7 +118,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2))
     table = [
         f"Forward time after a {args.prefix}-token prefix, {args.model}, {args.dtype}, "
         f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved runs (after {args.warmup} warm-up)",
@@ -128,7 +128,7 @@ def main() -> None:
         *[f"| {r['new_tokens']} | {r['ours_ms']:.1f} | {r['transformers_ms']:.1f} | {r['ratio']:.2f}x |"
           for r in rows],
     ]
-    out.with_suffix(".md").write_text("\n".join(table) + "\n")
+    Path(f"{out}.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
 
 
