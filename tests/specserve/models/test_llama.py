@@ -89,6 +89,20 @@ def test_tiny_random_model_matches_transformers_fp32(tiny_checkpoint, name):
         assert err <= 1e-4, f"{name} {what}: max abs error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3-rope"])
+def test_tiny_random_model_bf16_argmax_agrees(tiny_checkpoint, name):
+    model_type, overrides = TINY_CONFIGS[name]
+    path = tiny_checkpoint(model_type, **overrides)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 211, (150,), generator=gen).tolist()  # long enough for the large-step path
+    tree_tokens = torch.randint(0, 211, (len(BRANCHING),), generator=gen).tolist()
+    agree = total = 0
+    for _, ours, theirs in Comparison(path, torch.bfloat16, block_size=4).run(prompt, 16, tree_tokens):
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += ours.shape[0]
+    assert agree / total >= 0.99, f"{name} bf16: argmax agreement {agree}/{total}"
+
+
 def test_qwen2_has_qkv_bias_and_untied_head(tiny_checkpoint):
     path = tiny_checkpoint("qwen2")
     model = load_model(path, torch.float32)
