@@ -23,6 +23,9 @@ class TreeLike(Protocol):
     @property
     def ancestor_mask(self) -> torch.Tensor: ...
 
+    @property
+    def is_chain(self) -> bool: ...
+
     def __len__(self) -> int: ...
 
 
@@ -87,7 +90,7 @@ class AttentionMetadata:
             slot_mapping=as_tensor(slots),
             positions=as_tensor(positions),
             ancestor_mask=masks.to(device),
-            all_chains=all(len(t) == 1 or getattr(t, "is_chain", False) for t in trees),
+            all_chains=all(t.is_chain for t in trees),
         )
 
     # -- sizes ----------------------------------------------------------------------------

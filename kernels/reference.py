@@ -35,7 +35,7 @@ def paged_tree_attention(
     Requests are padded to one batch so a whole step is a single SDPA call: on a CPU the
     per-call overhead, not the arithmetic, dominates small decode steps.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     if meta.is_fresh_prefill:
         return _causal_prefill(q, k_cache, v_cache, meta, scale)
     batch, max_n, seq_len = meta.num_requests, meta.max_tree_len, meta.max_seq_len

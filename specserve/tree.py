@@ -9,7 +9,7 @@ module is the single definition of parents, depths, positions, ancestor masks an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -21,8 +21,6 @@ class TokenTree:
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
-    # Draft probabilities per node (optional; filled by drafters for lossless sampling).
-    draft_probs: tuple[torch.Tensor | None, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) == 0:

@@ -66,10 +66,6 @@ class Projection(nn.Module):
             self.fused = fused
             self.blocks = list(fused.split(self.out_sizes))
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.blocks[0].dtype
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < LARGE_STEP_TOKENS:
             if self.packed is not None:

@@ -54,17 +54,23 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def _header(file: Path) -> tuple[int, dict]:
+    """A safetensors file's header length and its tensor entries (name -> dtype, shape, offsets)."""
+    with open(file, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return length, header
+
+
 def _mapped_tensors(file: Path, mappings: list[mmap.mmap]) -> dict[str, torch.Tensor]:
     """Zero-copy views of a safetensors file (private, copy-on-write mapping)."""
+    header_len, header = _header(file)
     with open(file, "rb") as f:
-        header_len = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(header_len))
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     mappings.append(mapping)
     tensors = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         dtype = SAFETENSORS_DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         count, offset = (end - start) // dtype.itemsize, 8 + header_len + start
@@ -84,13 +90,8 @@ def _read_tensors(path: Path, mappings: list[mmap.mmap] | None) -> dict[str, tor
     return {name.removeprefix("model."): t for name, t in tensors.items() if "rotary_emb" not in name}
 
 
-def _checkpoint_dtypes(path: Path) -> set[torch.dtype]:
-    dtypes = set()
-    for file in _checkpoint_files(path):
-        with open(file, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        dtypes |= {SAFETENSORS_DTYPES.get(v["dtype"]) for k, v in header.items() if k != "__metadata__"}
-    return dtypes
+def _checkpoint_dtypes(path: Path) -> set[torch.dtype | None]:
+    return {SAFETENSORS_DTYPES.get(v["dtype"]) for f in _checkpoint_files(path) for v in _header(f)[1].values()}
 
 
 class _Checkpoint:
