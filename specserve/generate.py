@@ -106,6 +106,8 @@ class Generator:
         """Yield `(token, text delta, generation so far)` for each generated token."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         total = len(prompt_ids) + max_tokens
         if total > self.config.max_model_len:
             raise ValueError(
