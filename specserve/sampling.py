@@ -1,0 +1,144 @@
+"""Sampling parameters and the sampler: from a step's logits to each request's next token.
+
+The processed distribution is defined once here, because lossless speculative verification
+must sample from exactly the distribution plain decoding samples from. Order, per row:
+
+1. repetition penalty over prompt + output tokens (divide positive logits, multiply negative);
+2. presence and frequency penalties over output tokens (OpenAI semantics);
+3. temperature (0 means greedy: the argmax of the penalised logits);
+4. top-k, then top-p (smallest set whose probability reaches p), then min-p (tokens whose
+   probability is at least min_p times the most likely token's) -- each removes tokens.
+
+Seeded requests draw from their own generator, so their output does not depend on what else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) keeps every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top alternatives to return with each token's logprob
+    speculation: dict[str, Any] | None = None  # per-request speculation settings (speculative engine)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (all tokens) or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample from: its parameters, token history and generator."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None = None
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """Repetition, presence and frequency penalties on one row of logits (returns a new tensor)."""
+    p = row.params
+    logits = logits.clone()
+    if p.repetition_penalty != 1:
+        seen = torch.as_tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+        if seen.numel():
+            values = logits[seen]
+            logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+        counts = torch.bincount(torch.as_tensor(list(row.output_ids), dtype=torch.long), minlength=logits.numel())
+        logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p: excluded tokens get -inf (returns a new tensor)."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        drop = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sampling_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The probabilities the next token is drawn from (one-hot at the argmax when greedy)."""
+    logits = apply_penalties(logits.float(), row) if row.params.needs_penalties else logits.float()
+    if row.params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).float()
+    return filter_logits(logits, row.params).softmax(-1)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    """Next token per row of `logits` ([len(rows), vocab])."""
+    tokens = []
+    for row_logits, row in zip(logits, rows, strict=True):
+        if row.params.greedy and not row.params.needs_penalties:
+            tokens.append(int(row_logits.argmax()))
+            continue
+        probs = sampling_distribution(row_logits, row)
+        tokens.append(int(probs.argmax()) if row.params.greedy else
+                      int(torch.multinomial(probs, 1, generator=row.generator)))
+    return tokens
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability and the k most likely alternatives, under the model's
+    own distribution (before penalties, temperature and filters)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, k) if k else None
+    alternatives = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return float(logprobs[token]), alternatives
