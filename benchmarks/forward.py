@@ -11,7 +11,6 @@ the ratio ours / transformers (lower is better; the target is <= 1.2 in bf16).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import write_report
 from tqdm import tqdm
 
 from specserve.kv_cache import KVCache
@@ -116,21 +116,14 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=2))
-    table = [
-        f"Forward time after a {args.prefix}-token prefix, {args.model}, {args.dtype}, "
-        f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved runs (after {args.warmup} warm-up)",
-        "",
-        "| new tokens | specserve (ms) | transformers (ms) | specserve / transformers |",
-        "|---:|---:|---:|---:|",
-        *[f"| {r['new_tokens']} | {r['ours_ms']:.1f} | {r['transformers_ms']:.1f} | {r['ratio']:.2f}x |"
-          for r in rows],
-    ]
-    Path(f"{out}.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
-
+    write_report(
+        args.out, result,
+        f"Forward time after a {args.prefix}-token prefix, {args.model}, {args.dtype}, {torch.get_num_threads()} "
+        f"threads, median of {args.repeats} interleaved runs (after {args.warmup} warm-up)",
+        ["new tokens", "specserve (ms)", "transformers (ms)", "specserve / transformers"],
+        [[str(r["new_tokens"]), f"{r['ours_ms']:.1f}", f"{r['transformers_ms']:.1f}", f"{r['ratio']:.2f}x"]
+         for r in rows],
+    )
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from report import write_report
 from tqdm import tqdm
 
 RESULTS = Path(__file__).parent / "results"
@@ -71,19 +72,14 @@ def main() -> None:
     result = {"benchmark": "memory", "model": args.model, "max_tokens": args.max_tokens,
               "machine": platform.machine(), "python": platform.python_version(), "rows": rows,
               "self_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    Path(f"{args.out}.json").write_text(json.dumps(result, indent=2))
-    table = [
+    write_report(
+        args.out, result,
         f"`specserve generate --target {args.model} --max-tokens {args.max_tokens}`: peak RSS of the whole "
         "process; load time of a pulled model (first load in a process, then a second)",
-        "",
-        "| dtype | peak RSS (MB) | first load (s) | second load (s) |",
-        "|---|---:|---:|---:|",
-        *[f"| {r['dtype']} | {r['peak_rss_mb']:.0f} | {r['first_load_s']:.2f} | {r['second_load_s']:.2f} |"
-          for r in rows],
-    ]
-    Path(f"{args.out}.md").write_text("\n".join(table) + "\n")
-    print("\n".join(table))
-
+        ["dtype", "peak RSS (MB)", "first load (s)", "second load (s)"],
+        [[r["dtype"], f"{r['peak_rss_mb']:.0f}", f"{r['first_load_s']:.2f}", f"{r['second_load_s']:.2f}"]
+         for r in rows],
+    )
 
 if __name__ == "__main__":
     main()
