@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -38,7 +37,6 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top alternatives to return with each token's logprob
-    speculation: dict[str, Any] | None = None  # per-request speculation settings (speculative engine)
 
     def __post_init__(self) -> None:
         checks = [
