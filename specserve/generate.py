@@ -16,6 +16,7 @@ import torch
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.models.loader import load_model
+from specserve.sampling import SamplingParams, SamplingRow, sample
 from specserve.tree import TokenTree
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask's memory
@@ -119,6 +120,7 @@ class Generator:
         runner = ModelRunner(self.model, cache)
         table = list(range(num_blocks))
         rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
         gen = Generation(prompt_ids=list(prompt_ids))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         start = time.perf_counter()
@@ -129,7 +131,7 @@ class Generator:
             logits = runner.forward([TreeRequest(chunk, pos, table, logits="last")])[0].logits[-1]
         context_len = len(prompt_ids)
         while True:
-            token = sample(logits, temperature, rng)
+            token = sample(logits[None], [SamplingRow(params, prompt_ids, gen.token_ids, rng)])[0]
             gen.token_ids.append(token)
             now = time.perf_counter() - start
             gen.ttft_s = gen.ttft_s or now
@@ -147,10 +149,3 @@ class Generator:
             logits = runner.forward([step])[0].logits[-1]
             context_len += 1
 
-
-def sample(logits: torch.Tensor, temperature: float, rng: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else a draw from softmax(logits / T)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=rng))
