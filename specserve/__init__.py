@@ -14,7 +14,11 @@ _EXPORTS = {
     "pull": "specserve.pull",
     "resolve_model": "specserve.pull",
     "load_model": "specserve.models.loader",
-    "Generator": "specserve.generate",
+    "LLM": "specserve.llm",
+    "SamplingParams": "specserve.sampling",
+    "EngineConfig": "specserve.config",
+    "LLMEngine": "specserve.engine",
+    "AsyncEngine": "specserve.async_engine",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -106,15 +106,16 @@ class BlockManager:
         for _ in range(needed):
             table.block_ids.append(self._take_fresh_block())
 
-    def commit(self, table: BlockTable, token_ids: Sequence[int]) -> None:
-        """Record that `token_ids` (the request's whole committed sequence) are in the cache:
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int | None = None) -> None:
+        """Record that the first `num_tokens` of `token_ids` (default: all) are in the cache:
         every block they now fill is hashed and becomes findable by other requests."""
-        if len(token_ids) > table.num_slots(self.block_size):
-            raise ValueError(f"{len(token_ids)} committed tokens do not fit the table's "
+        num_tokens = len(token_ids) if num_tokens is None else num_tokens
+        if num_tokens > table.num_slots(self.block_size) or num_tokens > len(token_ids):
+            raise ValueError(f"{num_tokens} committed tokens do not fit the table's "
                              f"{table.num_slots(self.block_size)} slots")
         if not self.enable_prefix_caching:
             return
-        while (table.num_hashed_blocks + 1) * self.block_size <= len(token_ids):
+        while (table.num_hashed_blocks + 1) * self.block_size <= num_tokens:
             index = table.num_hashed_blocks
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
             h = block_hash(table.last_hash, tokens)

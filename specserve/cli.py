@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
+from specserve.config import DEFAULT_KV_CACHE_MEMORY
 from specserve.registry import DEFAULT_TARGET, KNOWN_MODELS
 
 
@@ -27,43 +29,51 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.sampling import SamplingParams
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if args.draft not in (None, "none"):
         raise ValueError(
             "--draft: speculative decoding is not in this version yet (it arrives with the speculative "
             "engine); run without --draft, or with --draft none"
         )
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-
-    from specserve.generate import Generator
-    from specserve.pull import resolve_model
-
-    generator = Generator(resolve_model(args.target), dtype=args.dtype)
-    prompt_ids = generator.encode(args.prompt, raw=args.raw)
-    gen = None
-    for _, delta, progress in generator.stream(prompt_ids, args.max_tokens, args.temperature, args.seed):
-        gen = progress
-        if not args.json and delta:
-            sys.stdout.write(delta)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
+    llm = LLM(args.target, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+    engine = llm.engine
+    if not args.json:
+        print(f"[KV cache holds {engine.num_kv_tokens} tokens]", file=sys.stderr)
+    prompt_ids = engine.encode(args.prompt, chat=not args.raw and bool(engine.tokenizer.chat_template))
+    start = time.perf_counter()
+    out = None
+    for out in llm.stream(prompt_ids, params):
+        if not args.json and out.outputs[0].delta_text:
+            sys.stdout.write(out.outputs[0].delta_text)
             sys.stdout.flush()
-    assert gen is not None  # stream() always yields at least one token
+    elapsed = time.perf_counter() - start
+    assert out is not None and out.finished  # stream() ends with the finished output
+    completion, ttft = out.outputs[0], out.metrics.ttft_s or 0.0
+    n = len(completion.token_ids)
+    tokens_per_s = n / elapsed if elapsed > 0 else 0.0
+    decode_per_s = (n - 1) / (elapsed - ttft) if n > 1 and elapsed > ttft else 0.0
     if args.json:
         print(json.dumps({
-            "text": gen.text,
-            "token_ids": gen.token_ids,
-            "tokens_per_s": round(gen.tokens_per_s, 3),
+            "text": completion.text,
+            "token_ids": completion.token_ids,
+            "tokens_per_s": round(tokens_per_s, 3),
             "prompt_tokens": len(prompt_ids),
-            "finish_reason": gen.finish_reason,
-            "ttft_s": round(gen.ttft_s, 4),
+            "finish_reason": completion.finish_reason,
+            "ttft_s": round(ttft, 4),
         }))
     else:
         print()
         print(
-            f"[{len(gen.token_ids)} tokens in {gen.elapsed_s:.2f} s: {gen.tokens_per_s:.1f} tok/s "
-            f"(decode {gen.decode_tokens_per_s:.1f} tok/s, first token {gen.ttft_s * 1000:.0f} ms), "
-            f"finish: {gen.finish_reason}]",
+            f"[{n} tokens in {elapsed:.2f} s: {tokens_per_s:.1f} tok/s (decode {decode_per_s:.1f} tok/s, "
+            f"first token {ttft * 1000:.0f} ms), finish: {completion.finish_reason}]",
             file=sys.stderr,
         )
     return 0
@@ -88,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
+    p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,
+                   help="KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 where the CPU supports it, else float32")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text (no chat template)")

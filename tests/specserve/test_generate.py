@@ -1,4 +1,4 @@
-"""`specserve generate` and the offline generation loop on the real SmolLM2."""
+"""`specserve generate` on the real SmolLM2: output, flags, errors, memory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from specserve.generate import Generator, IncrementalDetokenizer, load_tokenizer
+from specserve.detokenizer import load_tokenizer
 
 PROMPT = "Name three rivers in Europe."
 
@@ -23,17 +23,20 @@ def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_greedy_generation_equals_transformers_generate(smollm2_path):
+def test_cli_greedy_output_equals_transformers_generate(smollm2_path):
     from transformers import AutoModelForCausalLM
 
-    gen = Generator(smollm2_path, dtype="float32")
-    prompt_ids = gen.encode(PROMPT)
-    ours = [tok for tok, _, _ in gen.stream(prompt_ids, max_tokens=24)]
+    result = run_cli("generate", PROMPT, "--json", "--max-tokens", "24", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    tokenizer = load_tokenizer(smollm2_path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert out["prompt_tokens"] == len(prompt_ids)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
-    out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)
-    theirs = out[0, len(prompt_ids):].tolist()
-    assert ours == theirs[: len(ours)]
-    assert len(ours) == len(theirs)  # both stop at the same EOS (or both hit max_tokens)
+    theirs = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)[0, len(prompt_ids):]
+    assert out["token_ids"] == theirs.tolist()
 
 
 @pytest.mark.slow
@@ -57,12 +60,21 @@ def test_cli_streams_text_and_reports_speed(smollm2_path):
 
 
 @pytest.mark.slow
-def test_seeded_sampling_is_reproducible(smollm2_path):
-    gen = Generator(smollm2_path)
-    ids = gen.encode("Write a haiku about the sea.")
-    first = [t for t, _, _ in gen.stream(ids, max_tokens=12, temperature=1.0, seed=7)]
-    second = [t for t, _, _ in gen.stream(ids, max_tokens=12, temperature=1.0, seed=7)]
-    assert first == second
+def test_cli_seeded_sampling_is_reproducible(smollm2_path):
+    args = ("generate", "Write a haiku about the sea.", "--json", "--max-tokens", "12", "--temperature", "1.0",
+            "--seed", "7")
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+@pytest.mark.slow
+def test_cli_stop_string_ends_the_text(smollm2_path):
+    result = run_cli("generate", "Count from 1 to 20, separated by commas.", "--json", "--max-tokens", "64",
+                     "--stop", "5", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["finish_reason"] == "stop" and "5" not in out["text"] and "4" in out["text"]
 
 
 def test_unknown_target_lists_known_models():
@@ -75,21 +87,12 @@ def test_unknown_target_lists_known_models():
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--draft", "ngram"], "--draft"),
+    (["--kv-cache-memory", "lots"], "give bytes (e.g. 2GiB"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
 ])
 def test_bad_flags_get_clear_errors(args, message):
     result = run_cli("generate", "hi", *args)
     assert result.returncode == 2 and message in result.stderr
-
-
-@pytest.mark.slow
-def test_detokenizer_streams_multibyte_text_exactly(smollm2_path):
-    tokenizer = load_tokenizer(smollm2_path)
-    text = "Zürich → 東京 🚀 naïve café, ok!"
-    ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids=tokenizer.encode("Say:"))
-    deltas = [detok.push(t) for t in ids]
-    assert "".join(deltas) == tokenizer.decode(ids)
-    assert all("\ufffd" not in d for d in deltas)
 
 
 @pytest.mark.slow

@@ -1,0 +1,68 @@
+"""Engine configuration: one dataclass, validated once, passed to every component."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64  # running sequences per step (a decoding sequence costs one token)
+    max_num_batched_tokens: int = 512  # tokens per forward: prefill chunks + decode tokens + trees
+    kv_cache_memory: int | float | str = DEFAULT_KV_CACHE_MEMORY  # bytes, "2GiB", or a fraction of free RAM
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's context, capped by the KV pool
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode in every step, or the newest starve.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): raise the token budget or lower max_num_seqs")
+        self.kv_cache_bytes  # validate early  # noqa: B018
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_memory(self.kv_cache_memory)
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from `123456`, `"512MiB"`, `"2GB"`, or a fraction of available RAM such as `0.25`."""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"kv cache memory {value!r}: give bytes (e.g. 2GiB, 512MB, 1000000) or a fraction "
+                             "of available memory (e.g. 0.3)")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        value = number if unit == "" and number <= 1 and "." in match.group(1) else int(number * _UNITS[unit])
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"kv cache memory fraction must be in (0, 1], got {value}")
+        return int(value * available_memory())
+    if value <= 0:
+        raise ValueError(f"kv cache memory must be positive, got {value} bytes")
+    return int(value)
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

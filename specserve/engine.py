@@ -1,0 +1,204 @@
+"""The synchronous engine: `add_request`, then `step()` until done. One step is
+
+    Scheduler.schedule() -> StepPlan -> ModelRunner.forward() -> sample -> outputs
+
+The asynchronous engine (`specserve.async_engine`) runs this same loop in a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+
+import torch
+
+from specserve.block_manager import BlockManager
+from specserve.config import EngineConfig
+from specserve.detokenizer import TextStream, load_tokenizer
+from specserve.kv_cache import KVCache
+from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.models.loader import load_model
+from specserve.outputs import RequestOutput, completion_output, request_metrics
+from specserve.sampling import SamplingParams, sample, top_logprobs
+from specserve.scheduler import ScheduledSequence, Scheduler
+from specserve.sequence import Sequence, TokenLogprob
+
+logger = logging.getLogger("specserve")
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | Path, dtype: str | torch.dtype | None = None,
+                 config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.model = load_model(model_path, dtype)
+        self.tokenizer = load_tokenizer(model_path)
+        model_config = self.model.config
+        block_size = self.config.block_size
+        per_block = KVCache.bytes_per_block(model_config, block_size, self.model.dtype)
+        num_blocks = self.config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv cache memory of {self.config.kv_cache_bytes} bytes holds no block "
+                             f"({per_block} bytes each): raise --kv-cache-memory")
+        self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.model.dtype)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.num_kv_tokens = num_blocks * block_size
+        self.max_model_len = min(self.config.max_model_len or model_config.max_model_len,
+                                 model_config.max_model_len, self.num_kv_tokens)
+        eos = set(model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = count()
+        self.num_steps = 0
+        logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s); max_model_len %d", num_blocks,
+                    block_size, self.num_kv_tokens, num_blocks * per_block / 2**20, self.model.dtype,
+                    self.max_model_len)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Tokenize a prompt; with `chat`, wrap it as one user turn in the model's chat template."""
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template: send a plain prompt instead of messages")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Raise ValueError, saying what to change, for a request that could never be served."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len {self.max_model_len} (model context {self.model.config.max_model_len}, "
+                f"KV pool {self.num_kv_tokens} tokens): shorten the prompt, lower max_tokens or raise "
+                f"--kv-cache-memory")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running: use a unique id")
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.validate(prompt_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            seqs.append(Sequence(
+                seq_id=next(self._seq_ids), request_id=request_id, index=index, prompt_ids=prompt_ids,
+                params=params, text=TextStream(self.tokenizer, prompt_ids, params.stop), stop_ids=stop_ids,
+                generator=_generator(params.seed, index),
+                waits_for=seqs[0] if index and self.config.enable_prefix_caching else None,
+            ))
+        self.requests[request_id] = _Request(request_id, text, prompt_ids, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if unknown/done)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                seq.finish_time = time.perf_counter()
+                self.scheduler.finish(seq)
+        return self._output(request, {})
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward and return an output for every request that advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_work():
+                raise RuntimeError("the scheduler could not schedule any waiting sequence (a bug: "
+                                   "requests that cannot fit are rejected when added)")
+            return []
+        results = self.runner.forward([
+            TreeRequest(s.tree(), s.context_len, s.seq.block_table.block_ids, "last" if s.samples else "none")
+            for s in plan.scheduled
+        ])
+        self.num_steps += 1
+        for s in plan.scheduled:
+            seq = s.seq
+            seq.num_computed += s.num_tokens
+            seq.num_forwarded_tokens += s.num_tokens
+            self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed)
+
+        sampling = [(s, r.logits[-1]) for s, r in zip(plan.scheduled, results, strict=True) if s.samples]
+        if not sampling:
+            return []
+        logits = torch.stack([row for _, row in sampling])
+        tokens = sample(logits, [s.seq.sampling_row() for s, _ in sampling])
+        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        for (s, row), token in zip(sampling, tokens, strict=True):
+            deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s, row, token), [token])
+        return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
+
+    def _append(self, scheduled: ScheduledSequence, logits: torch.Tensor, token: int) -> str:
+        seq = scheduled.seq
+        if seq.logprobs is not None:
+            logprob, top = top_logprobs(logits, token, seq.params.logprobs or 0)
+            seq.logprobs.append(TokenLogprob(token, logprob, dict(top)))
+            seq.cumulative_logprob += logprob
+        delta = seq.append(token)
+        if seq.finish_reason is not None:
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+        return delta
+
+    def _output(self, request: _Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
+        outputs = [completion_output(seq, *deltas.get(seq.index, ("", []))) for seq in request.seqs]
+        finished = request.finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_ids, outputs, finished,
+                             request_metrics(request.seqs))
+
+    def check_invariants(self) -> None:
+        """Every KV block is free, in the prefix cache, or held by a live sequence (tests call this)."""
+        live = [s.block_table for r in self.requests.values() for s in r.seqs if not s.is_finished]
+        self.block_manager.check_invariants(live)
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator | None:
+    """Per-sample generator: seeded output does not depend on what else is in the batch."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(seed if index == 0 else hash((seed, index)) & (2**63 - 1))

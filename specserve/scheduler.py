@@ -1,0 +1,149 @@
+"""Continuous batching: which sequences run this step, with how many tokens each.
+
+Every step is one flat batch under `max_num_batched_tokens` and `max_num_seqs` (Orca's
+iteration-level scheduling). Decoding sequences are served first (one token each), then
+prompt chunks fill the remaining budget (Sarathi/SplitFuse chunked prefill), so a long
+prompt never stalls the others. When the KV pool runs out, the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from its prompt plus the tokens
+it already emitted (those are kept, never emitted again; the prefix cache usually spares
+most of the recomputation).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.block_manager import BlockManager, BlockTable, NoFreeBlocks
+from specserve.config import EngineConfig
+from specserve.sequence import Sequence, SequenceStatus
+from specserve.tree import TokenTree
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's part of a step: the next `num_tokens` of its tokens, after `context_len`."""
+
+    seq: Sequence
+    context_len: int
+    num_tokens: int
+    tree_budget: int = 0  # speculative nodes a drafter may add beyond these tokens (the speculative engine)
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's last token, so its logits give the next token."""
+        return self.context_len + self.num_tokens == self.seq.num_tokens
+
+    def tree(self) -> TokenTree:
+        return TokenTree.chain(self.seq.token_ids[self.context_len : self.context_len + self.num_tokens])
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens + s.tree_budget for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()  # oldest first; preempted sequences go back to the front
+        self.running: list[Sequence] = []  # in arrival (seq_id) order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        wanted: dict[Sequence, int] = {}
+        # Decodes first, then prompt chunks (oldest first) from what is left of the budget.
+        for seq in self.running:
+            if seq.num_uncomputed == 1:
+                wanted[seq] = 1
+                budget -= 1
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and budget > 0:
+                wanted[seq] = min(seq.num_uncomputed, budget)
+                budget -= wanted[seq]
+
+        # Blocks, oldest first: running out preempts the newest running sequence.
+        for seq in list(self.running):
+            if seq not in wanted or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if self._reserve(seq, wanted[seq], plan):
+                plan.scheduled.append(ScheduledSequence(seq, seq.num_computed, wanted[seq]))
+        budget += sum(wanted[s] for s in plan.preempted if s in wanted)
+        plan.scheduled = [s for s in plan.scheduled if s.seq.status is SequenceStatus.RUNNING]
+
+        if not plan.preempted:  # under memory pressure, admit nobody new
+            self._admit(plan, budget)
+        return plan
+
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Blocks for `seq`'s next tokens, preempting newer sequences; False if `seq` itself was preempted."""
+        while True:
+            try:
+                self.blocks.ensure_slots(seq.block_table, seq.num_computed + num_tokens)
+                return True
+            except NoFreeBlocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table = BlockTable()
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)  # newest preempted first, so the oldest ends up in front
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        """Start waiting sequences in arrival order while budget, sequence slots and blocks last."""
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if not seq.ready:  # a later sample of a request whose prompt is still being computed
+                continue
+            table = self.blocks.allocate(seq.token_ids)
+            context_len = table.num_cached_tokens
+            num_tokens = min(seq.num_tokens - context_len, budget)
+            try:
+                self.blocks.ensure_slots(table, context_len + num_tokens)
+            except NoFreeBlocks:
+                self.blocks.free(table)
+                return  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.remove(seq)
+            seq.block_table, seq.num_computed = table, context_len
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = min(context_len, len(seq.prompt_ids))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.running.sort(key=lambda s: s.seq_id)  # a resumed sequence is older than newer admissions
+            plan.scheduled.append(ScheduledSequence(seq, context_len, num_tokens))
+            budget -= num_tokens
