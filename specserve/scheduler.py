@@ -108,6 +108,9 @@ class Scheduler:
                 self.blocks.ensure_slots(seq.block_table, seq.num_computed + num_tokens)
                 return True
             except NoFreeBlocks:
+                if self.running == [seq]:  # alone and still short: waiting would never help
+                    raise RuntimeError(f"sequence {seq.request_id!r} needs more KV blocks than the whole pool "
+                                       f"({self.blocks.num_blocks}); the engine rejects such requests") from None
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
