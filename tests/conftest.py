@@ -47,3 +47,17 @@ def tiny_checkpoint(tmp_path):
         return save_tiny_checkpoint(tmp_path / f"tiny-{next(counter)}", model_type, seed, **overrides)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(smollm2_path, tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template: the whole engine (text,
+    stop strings, chat) at a fraction of the real model's cost. Its output is noise, by design."""
+    import shutil
+
+    directory = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-chat"), vocab_size=49152, eos_token_id=2,
+                                     bos_token_id=1, max_position_embeddings=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_path / name).exists():
+            shutil.copy(smollm2_path / name, directory / name)
+    return directory

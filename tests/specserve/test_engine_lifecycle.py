@@ -1,0 +1,123 @@
+"""The engine's bookkeeping on a tiny random model: requests come and go at any step (aborts,
+preemptions, completions) and no KV block is ever lost; bad requests are refused up front."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.config import EngineConfig
+from specserve.engine import LLMEngine
+from specserve.sampling import SamplingParams
+
+
+def make_engine(path, **options) -> LLMEngine:
+    return LLMEngine(path, dtype="float32", config=EngineConfig(**options))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_submits_aborts_and_preemptions_leave_no_block_behind(tiny_chat_model, seed):
+    rng = random.Random(seed)
+    # 512 bytes per token (fp32, 2 layers, 2 KV heads of 16): a pool of 100-250 tokens, so requests collide
+    engine = make_engine(tiny_chat_model, block_size=rng.choice([4, 8, 16]),
+                         kv_cache_memory=rng.randint(100, 250) * 512,
+                         max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([8, 24, 64]))
+    preemptions = 0
+    bm = engine.block_manager
+    shared = [rng.randrange(3, 49000) for _ in range(40)]
+    finish_reasons: dict[str, str] = {}
+    submitted = 0
+    for _ in range(120):
+        if rng.random() < 0.35:
+            prompt = shared[: rng.randint(0, 40)] + [rng.randrange(3, 49000) for _ in range(rng.randint(1, 30))]
+            params = SamplingParams(temperature=rng.choice([0, 1.0]), max_tokens=rng.randint(1, 40),
+                                    n=rng.choice([1, 1, 2]), seed=rng.randint(0, 9), ignore_eos=rng.random() < 0.5)
+            try:
+                engine.add_request(f"r{submitted}", prompt, params)
+            except ValueError:
+                assert len(prompt) + params.max_tokens > engine.max_model_len
+            submitted += 1
+        if engine.requests and rng.random() < 0.15:
+            out = engine.abort(rng.choice(list(engine.requests)))
+            finish_reasons[out.request_id] = "abort"
+            preemptions += out.metrics.num_preemptions
+            assert out.finished and all(c.finish_reason in ("abort", "stop", "length") for c in out.outputs)
+        for out in engine.step():
+            if out.finished:
+                finish_reasons[out.request_id] = out.outputs[0].finish_reason
+                preemptions += out.metrics.num_preemptions
+        engine.check_invariants()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finish_reasons[out.request_id] = out.outputs[0].finish_reason
+                preemptions += out.metrics.num_preemptions
+        engine.check_invariants()
+    print(f"seed {seed}: {submitted} submitted, {preemptions} preemptions")
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_blocks  # every block free (some still findable in the prefix cache)
+    assert set(finish_reasons.values()) <= {"stop", "length", "abort"}
+
+
+def test_aborting_mid_generation_frees_the_blocks_at_once(tiny_chat_model):
+    engine = make_engine(tiny_chat_model, kv_cache_memory="8MiB")
+    engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    held = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    assert held > 0
+    out = engine.abort("a")
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 3
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_unfinished() and engine.abort("a") is None
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "the prompt is empty"),
+    ([5, 10**6], SamplingParams(), "outside the vocabulary"),
+    (list(range(3, 2000)), SamplingParams(max_tokens=100), "exceeds max_model_len"),
+])
+def test_requests_that_cannot_be_served_are_refused_with_what_to_change(tiny_chat_model, prompt, params, message):
+    engine = make_engine(tiny_chat_model, kv_cache_memory="8MiB")
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("x", prompt, params)
+    assert not engine.has_unfinished()
+
+
+def test_a_pool_too_small_for_a_prompt_says_raise_kv_cache_memory(tiny_chat_model):
+    engine = make_engine(tiny_chat_model, kv_cache_memory=64 * 2**10)  # a few blocks
+    assert engine.max_model_len == engine.num_kv_tokens
+    with pytest.raises(ValueError, match="raise --kv-cache-memory"):
+        engine.add_request("x", list(range(3, 3 + engine.num_kv_tokens)), SamplingParams(max_tokens=1))
+
+
+def test_duplicate_request_ids_are_refused(tiny_chat_model):
+    engine = make_engine(tiny_chat_model, kv_cache_memory="8MiB")
+    engine.add_request("same", [5, 6, 7])
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("same", [5, 6, 7])
+
+
+def test_stop_token_ids_and_max_tokens_set_the_finish_reason(tiny_chat_model):
+    engine = make_engine(tiny_chat_model, kv_cache_memory="8MiB")
+    engine.add_request("free", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    free = None
+    while engine.has_unfinished():
+        free = next((o for o in engine.step() if o.finished), free)
+    tokens = free.outputs[0].token_ids
+    assert free.outputs[0].finish_reason == "length" and len(tokens) == 6
+    engine.add_request("stopped", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                           stop_token_ids=[tokens[2]]))
+    while engine.has_unfinished():
+        stopped = next((o for o in engine.step() if o.finished), None)
+    first = tokens.index(tokens[2])
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].token_ids == tokens[: first + 1]
+
+
+def test_kv_pool_size_follows_the_memory_budget(tiny_chat_model):
+    small = make_engine(tiny_chat_model, kv_cache_memory="1MiB")
+    large = make_engine(tiny_chat_model, kv_cache_memory="4MiB")
+    assert large.num_kv_tokens == 4 * small.num_kv_tokens
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head dim 16, fp32
+    assert small.num_kv_tokens == 2**20 // (per_token * 16) * 16
