@@ -117,6 +117,11 @@ class AttentionMetadata:
         """Longest `context_len + tree_len`: the keys one request attends to, at most."""
         return int((self.context_lens + self.tree_lens).max())
 
+    @cached_property
+    def is_rectangular(self) -> bool:
+        """Every request has the same number of new tokens: the flat batch is already padded."""
+        return bool((self.tree_lens == self.max_tree_len).all())
+
     # -- derived index tensors for the padded (reference) path ---------------------------
 
     @cached_property
@@ -141,6 +146,19 @@ class AttentionMetadata:
         # Padding rows see nothing; let them see key 0 so softmax stays finite (output discarded).
         mask[:, :, 0] |= ~mask.any(-1)
         return mask[:, None]
+
+    def additive_key_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`key_mask` as 0 / -inf in `dtype`, built once per step instead of once per layer by SDPA."""
+        cached = self._additive_masks.get(dtype)
+        if cached is None:
+            cached = torch.zeros(self.key_mask.shape, dtype=dtype, device=self.key_mask.device)
+            cached.masked_fill_(~self.key_mask, float("-inf"))
+            self._additive_masks[dtype] = cached
+        return cached
+
+    @cached_property
+    def _additive_masks(self) -> dict[torch.dtype, torch.Tensor]:
+        return {}
 
 
 def compaction_slots(

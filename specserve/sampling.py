@@ -122,14 +122,13 @@ def sampling_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tenso
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """Next token per row of `logits` ([len(rows), vocab])."""
-    tokens = []
-    for row_logits, row in zip(logits, rows, strict=True):
+    tokens = logits.argmax(-1).tolist()  # plain greedy rows, all at once
+    for i, (row_logits, row) in enumerate(zip(logits, rows, strict=True)):
         if row.params.greedy and not row.params.needs_penalties:
-            tokens.append(int(row_logits.argmax()))
             continue
         probs = sampling_distribution(row_logits, row)
-        tokens.append(int(probs.argmax()) if row.params.greedy else
-                      int(torch.multinomial(probs, 1, generator=row.generator)))
+        drawn = probs.argmax() if row.params.greedy else torch.multinomial(probs, 1, generator=row.generator)
+        tokens[i] = int(drawn)
     return tokens
 
 
