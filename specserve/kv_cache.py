@@ -7,6 +7,9 @@ owns is the block manager's business; this class only holds the tensors.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 import kernels
@@ -25,8 +28,8 @@ class KVCache:
         device: torch.device | str = "cpu",
     ):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _lazily_zeroed(shape, dtype, device)
+        self.v = _lazily_zeroed(shape, dtype, device)
         self.block_size = block_size
 
     @classmethod
@@ -55,3 +58,15 @@ class KVCache:
         dst = torch.as_tensor(dst_slots, dtype=torch.int64, device=self.k.device)
         kernels.compact_kv(self.k, src, dst)
         kernels.compact_kv(self.v, src, dst)
+
+
+def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it lives in an anonymous mapping (zero-filled by the OS, like
+    calloc), so pages only take memory once a block is written: a large pool costs RSS as it fills,
+    not at start-up. (`torch.zeros` writes every page at once.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping alive
