@@ -92,6 +92,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"requests {sorted(wanted - set(done))} left the engine unfinished")
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
