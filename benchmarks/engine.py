@@ -33,10 +33,12 @@ RESULTS = Path(__file__).parent / "results"
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_questions.jsonl"
 
 
-def load_prompts(engine: LLMEngine, count: int, max_prompt_tokens: int) -> list[list[int]]:
+def load_prompts(engine: LLMEngine, questions: Path, count: int, max_prompt_tokens: int) -> list[list[int]]:
     """The first `count` questions (round-robin over categories) that fit `max_prompt_tokens`."""
+    if not questions.exists():
+        raise SystemExit(f"{questions} not found: pass --questions PATH to Spec-Bench's question.jsonl")
     by_category: dict[str, list[str]] = {}
-    for line in SPEC_BENCH.read_text().splitlines():
+    for line in questions.read_text().splitlines():
         q = json.loads(line)
         by_category.setdefault(q["category"], []).append(q["turns"][0])
     prompts: list[list[int]] = []
@@ -103,6 +105,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--questions", type=Path, default=SPEC_BENCH, help="Spec-Bench questions (jsonl)")
     parser.add_argument("--out", default=str(RESULTS / "engine"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -113,7 +116,7 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     engine = LLMEngine(path, args.dtype, EngineConfig(max_num_seqs=max(levels), kv_cache_memory="2GiB"))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype)).eval()
-    prompts = load_prompts(engine, max(levels), args.max_prompt_tokens)
+    prompts = load_prompts(engine, args.questions, max(levels), args.max_prompt_tokens)
 
     # Warm-up: every batch shape the runs below will see, both engines.
     run_engine(engine, prompts[: max(levels)], 8)

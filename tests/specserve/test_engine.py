@@ -14,21 +14,14 @@ from specserve.engine import LLMEngine
 from specserve.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 
-SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench_questions.jsonl"
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "spec_bench_16.jsonl"
 MAX_TOKENS = 32
 pytestmark = pytest.mark.slow
 
 
 def spec_bench_prompts() -> list[str]:
-    """16 questions of mixed length: the shortest of each of the 13 categories, plus 3 more."""
-    questions = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines()]
-    by_category: dict[str, list[str]] = {}
-    for q in questions:
-        by_category.setdefault(q["category"], []).append(q["turns"][0])
-    picked = [min(turns, key=len) for turns in by_category.values()]
-    picked += [by_category[c][1] for c in ("qa", "math_reasoning", "translation")]
-    assert len(picked) == 16
-    return picked
+    """16 Spec-Bench questions of mixed length (see tests/data/README.md)."""
+    return [json.loads(line)["prompt"] for line in PROMPTS_FILE.read_text().splitlines()]
 
 
 def make_engine(path, **options) -> LLMEngine:
