@@ -59,14 +59,14 @@ class AsyncEngine:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         # Validate here, so bad input fails in the caller (a 4xx) rather than in the loop.
-        prompt_ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.engine.validate(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running: use a unique id")
             self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt, params))
+        self._inbox.put(("add", request_id, prompt, prompt_ids, params))
         finished = False
         try:
             while not finished:
@@ -124,11 +124,11 @@ class AsyncEngine:
 
     def _handle(self, message: tuple) -> None:
         if message[0] == "add":
-            _, request_id, prompt, params = message
+            _, request_id, prompt, prompt_ids, params = message
             if request_id not in self._streams:  # aborted before it arrived
                 return
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, prompt_ids)
             except ValueError as error:
                 self._fail(request_id, error)
         elif message[0] == "abort":

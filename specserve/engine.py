@@ -105,12 +105,15 @@ class LLMEngine:
                 f"KV pool {self.num_kv_tokens} tokens): shorten the prompt, lower max_tokens or raise "
                 f"--kv-cache-memory")
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    prompt_ids: list[int] | None = None) -> None:
+        """Queue a request. `prompt_ids`, when the caller already tokenized a text `prompt`, saves doing it again."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running: use a unique id")
         text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if prompt_ids is None:
+            prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.validate(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seqs: list[Sequence] = []
