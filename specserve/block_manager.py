@@ -69,9 +69,6 @@ class BlockManager:
         """New blocks `table` needs to cover `num_slots` slots (context + this step's tree)."""
         return max(0, -(-num_slots // self.block_size) - len(table.block_ids))
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
-
     # -- lifecycle ------------------------------------------------------------------------------
 
     def allocate(self, token_ids: Sequence[int]) -> BlockTable:

@@ -24,7 +24,7 @@ from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.models.loader import load_model
 from specserve.outputs import RequestOutput, completion_output, request_metrics
 from specserve.sampling import SamplingParams, sample, top_logprobs
-from specserve.scheduler import ScheduledSequence, Scheduler
+from specserve.scheduler import Scheduler
 from specserve.sequence import Sequence, TokenLogprob
 
 logger = logging.getLogger("specserve")
@@ -70,7 +70,6 @@ class LLMEngine:
         self.eos_ids = frozenset(eos)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = count()
-        self.num_steps = 0
         logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s); max_model_len %d", num_blocks,
                     block_size, self.num_kv_tokens, num_blocks * per_block / 2**20, self.model.dtype,
                     self.max_model_len)
@@ -157,7 +156,6 @@ class LLMEngine:
             TreeRequest(s.tree(), s.context_len, s.seq.block_table.block_ids, "last" if s.samples else "none")
             for s in plan.scheduled
         ])
-        self.num_steps += 1
         for s in plan.scheduled:
             seq = s.seq
             seq.num_computed += s.num_tokens
@@ -171,11 +169,10 @@ class LLMEngine:
         tokens = sample(logits, [s.seq.sampling_row() for s, _ in sampling])
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         for (s, row), token in zip(sampling, tokens, strict=True):
-            deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s, row, token), [token])
+            deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
         return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
 
-    def _append(self, scheduled: ScheduledSequence, logits: torch.Tensor, token: int) -> str:
-        seq = scheduled.seq
+    def _append(self, seq: Sequence, logits: torch.Tensor, token: int) -> str:
         if seq.logprobs is not None:
             logprob, top = top_logprobs(logits, token, seq.params.logprobs or 0)
             seq.logprobs.append(TokenLogprob(token, logprob, dict(top)))

@@ -88,14 +88,14 @@ class Scheduler:
                 wanted[seq] = min(seq.num_uncomputed, budget)
                 budget -= wanted[seq]
 
-        # Blocks, oldest first: running out preempts the newest running sequence.
+        # Blocks, oldest first: running out preempts the newest running sequence, which is never
+        # one already planned (those are older), so the plan needs no pruning afterwards.
         for seq in list(self.running):
             if seq not in wanted or seq.status is not SequenceStatus.RUNNING:
                 continue
             if self._reserve(seq, wanted[seq], plan):
                 plan.scheduled.append(ScheduledSequence(seq, seq.num_computed, wanted[seq]))
         budget += sum(wanted[s] for s in plan.preempted if s in wanted)
-        plan.scheduled = [s for s in plan.scheduled if s.seq.status is SequenceStatus.RUNNING]
 
         if not plan.preempted:  # under memory pressure, admit nobody new
             self._admit(plan, budget)

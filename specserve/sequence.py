@@ -44,7 +44,7 @@ class Sequence:
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS (unless ignore_eos)
     waits_for: Sequence | None = None  # sample 0 of the same request, until its prompt is cached
-    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    token_ids: list[int] = field(init=False)  # prompt + output
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # leading token_ids whose K/V are in the cache
@@ -61,7 +61,7 @@ class Sequence:
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_ids) + self.token_ids
+        self.token_ids = list(self.prompt_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
 

@@ -22,8 +22,10 @@ class NullTokenizer:
         return ""
 
 
-def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, waits_for: Sequence | None = None) -> Sequence:
-    prompt = [(seq_id * 7 + i) % 50 + 1 for i in range(prompt_len)]  # distinct per sequence: no accidental sharing
+def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, waits_for: Sequence | None = None,
+             prefix: list[int] | None = None) -> Sequence:
+    """A sequence whose prompt is `prefix` (if any), then `prompt_len` tokens distinct per sequence."""
+    prompt = (prefix or []) + [(seq_id * 7 + i) % 50 + 1 for i in range(prompt_len)]
     return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, prompt_ids=prompt,
                     params=SamplingParams(max_tokens=max_tokens), text=TextStream(NullTokenizer(), prompt),
                     waits_for=waits_for)
@@ -138,9 +140,7 @@ def test_waiting_requests_are_served_first_come_first_served():
 def test_later_samples_wait_until_sample_zero_has_cached_the_prompt():
     sched = make_scheduler(max_num_batched_tokens=8)
     first = make_seq(0, 12)
-    second = make_seq(1, 12, waits_for=first)
-    second.prompt_ids = first.prompt_ids
-    second.token_ids = list(first.prompt_ids)
+    second = make_seq(1, 0, waits_for=first, prefix=first.prompt_ids)  # sample 1 of the same prompt
     sched.add(first)
     sched.add(second)
     plan = sched.schedule()
@@ -162,10 +162,11 @@ def test_random_lifecycles_never_leak_blocks(seed):
     seqs: list[Sequence] = []
     for step in range(300):
         if rng.random() < 0.3 and len(seqs) < 40:
-            seq = make_seq(len(seqs), rng.randint(1, 20), max_tokens=rng.randint(1, 12))
+            length, max_tokens = rng.randint(1, 20), rng.randint(1, 12)
+            prefix = None
             if rng.random() < 0.3 and seqs:  # a shared prefix
-                seq.prompt_ids = seqs[-1].prompt_ids[: rng.randint(1, len(seqs[-1].prompt_ids))] + seq.prompt_ids
-                seq.token_ids = list(seq.prompt_ids)
+                prefix = seqs[-1].prompt_ids[: rng.randint(1, len(seqs[-1].prompt_ids))]
+            seq = make_seq(len(seqs), length, max_tokens=max_tokens, prefix=prefix)
             longest = seq.num_tokens + seq.params.max_tokens
             if sched.blocks.blocks_needed(seq.block_table, longest) <= sched.blocks.num_blocks:
                 seqs.append(seq)  # (the engine rejects a request that could never fit)
