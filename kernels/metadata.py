@@ -147,6 +147,20 @@ class AttentionMetadata:
         mask[:, :, 0] |= ~mask.any(-1)
         return mask[:, None]
 
+    @cached_property
+    def tree_bitmask(self) -> torch.Tensor:
+        """[T] int64: bit j of token t is set when tree node j is t's ancestor or t itself.
+
+        The compact tree mask of the Triton kernel for trees of at most 64 nodes. Bit 63 is
+        the sign bit; the bits are distinct, so summing them is an OR.
+        """
+        if self.max_tree_len > 64:
+            raise ValueError(f"a bitmask holds trees of at most 64 nodes, this step has {self.max_tree_len}")
+        bits = torch.ones(self.max_tree_len, dtype=torch.int64, device=self.ancestor_mask.device)
+        bits = bits << torch.arange(self.max_tree_len, device=bits.device)
+        per_node = (self.ancestor_mask.long() * bits).sum(-1)  # [B, max_n]
+        return per_node.flatten()[self.padded_index]
+
     def additive_key_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """`key_mask` as 0 / -inf in `dtype`, built once per step instead of once per layer by SDPA."""
         cached = self._additive_masks.get(dtype)

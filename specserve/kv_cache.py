@@ -12,7 +12,7 @@ import mmap
 
 import torch
 
-import kernels
+from kernels import ops
 from specserve.models.config import ModelConfig
 
 
@@ -56,8 +56,8 @@ class KVCache:
             return
         src = torch.as_tensor(src_slots, dtype=torch.int64, device=self.k.device)
         dst = torch.as_tensor(dst_slots, dtype=torch.int64, device=self.k.device)
-        kernels.compact_kv(self.k, src, dst)
-        kernels.compact_kv(self.v, src, dst)
+        ops.compact_kv(self.k, src, dst)
+        ops.compact_kv(self.v, src, dst)
 
 
 def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

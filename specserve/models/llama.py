@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+from kernels import ops
 from kernels.metadata import AttentionMetadata
 from specserve.kv_cache import KVCache
 from specserve.models.config import ModelConfig
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.layer_index)
-        out = kernels.tree_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = ops.tree_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 

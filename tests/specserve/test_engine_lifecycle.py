@@ -121,3 +121,25 @@ def test_kv_pool_size_follows_the_memory_budget(tiny_chat_model):
     assert large.num_kv_tokens == 4 * small.num_kv_tokens
     per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head dim 16, fp32
     assert small.num_kv_tokens == 2**20 // (per_token * 16) * 16
+
+
+def test_the_engine_gives_the_same_tokens_on_the_triton_kernel(tiny_chat_model, monkeypatch):
+    """Ragged batches (chunked prefill beside decodes, greedy and seeded sampling) with attention
+    forced onto the Triton kernels (the interpreter on a CPU) emit what the reference emits."""
+    pytest.importorskip("triton")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49000) for _ in range(length)] for length in (5, 37, 60, 18)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)]
+
+    def generate(backend: str) -> list[list[int]]:
+        monkeypatch.setenv("SPECSERVE_ATTENTION", backend)
+        engine = make_engine(tiny_chat_model, max_num_batched_tokens=24, max_num_seqs=4, kv_cache_memory="4MiB")
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params[i % 2])
+        done = {}
+        while engine.has_unfinished():
+            done.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+        return [list(done[str(i)]) for i in range(len(prompts))]
+
+    assert generate("triton") == generate("reference")

@@ -89,6 +89,22 @@ def test_tiny_random_model_matches_transformers_fp32(tiny_checkpoint, name):
         assert err <= 1e-4, f"{name} {what}: max abs error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", ["llama", "llama-mqa-bias", "qwen2"])
+def test_model_on_the_triton_kernel_matches_transformers(tiny_checkpoint, name, monkeypatch):
+    """The whole model with attention forced onto the Triton kernels (the interpreter on a CPU):
+    prompt, decode steps and a branching tree still equal transformers."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("SPECSERVE_ATTENTION", "triton")
+    model_type, overrides = TINY_CONFIGS[name]
+    cmp = Comparison(tiny_checkpoint(model_type, **overrides), torch.float32, block_size=16)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 211, (40,), generator=gen).tolist()
+    tree_tokens = torch.randint(0, 211, (len(BRANCHING),), generator=gen).tolist()
+    for what, ours, theirs in cmp.run(prompt, 6, tree_tokens):
+        err = (ours - theirs).abs().max().item()
+        assert err <= 1e-4, f"{name} {what} on the kernel: max abs error {err:.2e}"
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama3-rope"])
 def test_tiny_random_model_bf16_argmax_agrees(tiny_checkpoint, name):
     model_type, overrides = TINY_CONFIGS[name]

@@ -1,0 +1,441 @@
+"""Triton kernels: tree attention over the paged KV cache, K/V writes and KV compaction.
+
+One launch computes, for a flat unpadded batch of new tokens from many requests, each
+token's attention over its request's cached context (in full) and over its own tree
+nodes (ancestors and itself): the semantics of `kernels.reference`. Prefill chunks
+(chains), decode steps (single nodes) and verification trees all run this one kernel.
+
+Layout of the work:
+
+* one program per (request, tile of `BLOCK_Q` tree nodes, KV head[, context split]);
+* its rows are the tile's nodes x the query heads sharing that KV head (GQA), so K/V are
+  read once per group and the rows of a `tl.dot` reach 16 even for a single decode node;
+* keys stream in `BLOCK_N` tiles gathered through the block table, with a FlashAttention
+  online softmax accumulated in fp32: first the context (no mask), then the tree's own
+  keys under the tree mask, a bitmask per node (trees of <= 64 nodes) or a dense mask;
+* when the batch is too small to fill the GPU, the context is split across programs
+  (flash-decoding) and a second kernel merges the partial softmaxes.
+
+The interpreter (`TRITON_INTERPRET=1`, read when this module is imported) runs the same
+code on CPU tensors. There bf16 arithmetic is wrong, so every load is upcast to fp32
+(`UPCAST`), and autotuning is off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _interpret_triton_language() -> None:
+    """Make Triton's own jit helpers (`tl.zeros`, `tl.max`, `tl.sum`, ...) interpretable.
+
+    Triton picks compiled or interpreted per function when the function is defined. If
+    `triton.language` was imported before `TRITON_INTERPRET=1` was set (transformers imports
+    it when it builds a model), its helpers are compiled-mode functions that the interpreter
+    refuses to call. Re-wrap them; in an interpreting process nothing is compiled anyway.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    rewrapped: dict[int, InterpretedFunction] = {}
+    for module in (tl, tl.standard, tl.math):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, triton.runtime.JITFunction):
+                if id(value) not in rewrapped:
+                    rewrapped[id(value)] = InterpretedFunction(value.fn)
+                setattr(module, name, rewrapped[id(value)])
+
+
+if INTERPRET:
+    _interpret_triton_language()
+BITMASK_MAX_NODES = 64  # one int64 of ancestor bits per node
+_LOG2E = 1.4426950408889634
+
+
+def _attention_configs() -> list[triton.Config]:
+    if INTERPRET:  # the interpreter runs one config; larger key tiles mean fewer interpreted steps
+        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+        for block_n in (32, 64, 128)
+        for warps in (4, 8)
+        for stages in (2, 3)
+    ]
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """`x.to(dtype)`, except that the interpreter truncates fp32 -> bf16: round to nearest even by hand."""
+    if UPCAST and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + ((bits >> 16) & 1) + 0x7FFF) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, keys, key_valid, allowed,
+    k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    offs_d, d_valid, scale_log2,
+    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax update of every row over the key tile `keys` (logical positions)."""
+    block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0)
+    slot = keys % BLOCK_SIZE
+    kv_mask = key_valid[:, None] & d_valid[None, :]
+    k = tl.load(
+        k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask, other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask, other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that has seen no allowed key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, query_start_ptr, context_lens_ptr, tree_lens_ptr,
+    tree_bits_ptr, dense_mask_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2, split_size, num_heads,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt, stride_mb, stride_mi,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CHAIN: tl.constexpr, USE_BITMASK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    request = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    tree_len = tl.load(tree_lens_ptr + request)
+    if q_tile * BLOCK_Q >= tree_len:
+        return
+    q_start = tl.load(query_start_ptr + request)
+    context_len = tl.load(context_lens_ptr + request)
+    block_table_row = block_tables_ptr + request * stride_bt
+
+    # Rows: BLOCK_Q nodes x GROUP_P query heads of this KV head (padded to a power of two).
+    rows = tl.arange(0, BLOCK_Q * GROUP_P)
+    node = q_tile * BLOCK_Q + rows // GROUP_P
+    head = kv_head * GROUP + rows % GROUP_P
+    row_valid = (node < tree_len) & (rows % GROUP_P < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_valid = offs_d < HEAD_DIM
+    token = q_start + node
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # 1. This split's share of the cached context: every row sees every key.
+    context_lo = split * split_size
+    context_hi = tl.minimum(context_len, context_lo + split_size)
+    for start in range(context_lo, context_hi, BLOCK_N):
+        keys = start + offs_n
+        key_valid = keys < context_hi
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, keys, key_valid, key_valid[None, :],
+            k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            offs_d, d_valid, scale_log2, BLOCK_SIZE, UPCAST, DOT_PRECISION,
+        )
+
+    # 2. The tree's own keys (last split only), up to the tile's last node: ancestors precede a node.
+    if split == NUM_SPLITS - 1:
+        tree_end = tl.minimum(tree_len, (q_tile + 1) * BLOCK_Q)
+        if USE_BITMASK:
+            bits = tl.load(tree_bits_ptr + token, mask=row_valid, other=0)
+        for start in range(0, tree_end, BLOCK_N):
+            key_node = start + offs_n
+            key_valid = key_node < tree_end
+            if IS_CHAIN:  # prefill chunks: plain causal
+                is_ancestor = key_node[None, :] <= node[:, None]
+            elif USE_BITMASK:
+                shift = tl.where(key_valid, key_node, 0).to(tl.int64)
+                is_ancestor = ((bits[:, None] >> shift[None, :]) & 1) != 0
+            else:
+                is_ancestor = tl.load(
+                    dense_mask_ptr + request * stride_mb + node[:, None] * stride_mi + key_node[None, :],
+                    mask=row_valid[:, None] & key_valid[None, :], other=0,
+                ) != 0
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, context_len + key_node, key_valid, is_ancestor & key_valid[None, :],
+                k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                offs_d, d_valid, scale_log2, BLOCK_SIZE, UPCAST, DOT_PRECISION,
+            )
+
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            _cast(out, out_ptr.dtype.element_ty, UPCAST), mask=out_mask,
+        )
+    else:  # partials [T, Hq, NUM_SPLITS(, D)], merged by _merge_splits_kernel
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_SPLITS_P: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for one (token, query head)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS_P)
+    s_valid = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_valid = offs_d < HEAD_DIM
+    part = (token * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_max_ptr + part, mask=s_valid, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=s_valid, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None] & d_valid[None, :],
+                  other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: the last split always holds the node itself
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, _cast(out, out_ptr.dtype.element_ty, UPCAST),
+             mask=d_valid)
+
+
+_tuned_attention = triton.autotune(
+    configs=_attention_configs(),
+    key=["HEAD_DIM", "GROUP_P", "BLOCK_Q", "IS_CHAIN", "USE_BITMASK", "NUM_SPLITS", "BLOCK_SIZE"],
+)(_tree_attention_kernel)
+
+# Context tiles are split at multiples of the largest key tile any config uses.
+_SPLIT_ALIGN = 128
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _rows_per_head_group(max_tree_len: int, group_p: int) -> int:
+    """Tree nodes per program: enough rows for a 16-row dot, at most 128 rows of registers."""
+    return max(16 // group_p, min(_next_pow2(max_tree_len), max(1, 128 // group_p)))
+
+
+def _num_splits(meta: AttentionMetadata, programs: int, device: torch.device) -> int:
+    """Split long contexts across programs when the batch alone leaves the GPU's SMs idle."""
+    if INTERPRET or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    max_context = int(meta.context_lens.max())
+    if programs >= sms or max_context < 2 * _SPLIT_ALIGN:
+        return 1
+    return max(1, min(-(-2 * sms // programs), max_context // _SPLIT_ALIGN, 32))
+
+
+def paged_tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens `q` (`[T, Hq, D]`) over the paged cache; their K/V already written.
+
+    `num_splits` forces the number of context splits (None: chosen from the GPU's size).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {num_kv_heads} heads x {cache_head_dim}")
+    if head_dim % 16:  # tl.dot needs dims >= 16 (and the GPU wants 16-aligned rows)
+        raise ValueError(f"the Triton kernel needs head_dim divisible by 16, got {head_dim}: "
+                         "use SPECSERVE_ATTENTION=reference")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    group = num_heads // num_kv_heads
+    group_p = _next_pow2(group)
+    block_q = _rows_per_head_group(meta.max_tree_len, group_p)
+    q_tiles = -(-meta.max_tree_len // block_q)
+    use_bitmask = meta.max_tree_len <= BITMASK_MAX_NODES
+    if num_splits is None:
+        num_splits = _num_splits(meta, meta.num_requests * q_tiles * num_kv_heads, q.device)
+    max_context = int(meta.context_lens.max())
+    split_size = -(-max(max_context, 1) // num_splits)
+    split_size = -(-split_size // _SPLIT_ALIGN) * _SPLIT_ALIGN
+
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    tree_bits = meta.tree_bitmask if use_bitmask else meta.context_lens  # the unused one is a placeholder
+    dense_mask = meta.ancestor_mask.view(torch.uint8)
+    grid = (meta.num_requests, q_tiles, num_kv_heads * num_splits)
+    _tuned_attention[grid](
+        q, k_cache, v_cache, out,
+        meta.block_tables, meta.query_start_loc, meta.context_lens, meta.tree_lens,
+        tree_bits, dense_mask,
+        part_acc, part_max, part_sum,
+        scale * _LOG2E, split_size, num_heads,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), dense_mask.stride(0), dense_mask.stride(1),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
+        IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, NUM_SPLITS=num_splits,
+        UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
+            NUM_SPLITS=num_splits, NUM_SPLITS_P=_next_pow2(num_splits), UPCAST=INTERPRET,
+        )
+    return out
+
+
+# -- K/V writes --------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_k_slot, stride_v_slot,
+    HEAD_DIM: tl.constexpr, ROW: tl.constexpr, ROW_P: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Copy token t's K and V (`[Hkv, D]`, any head stride) into cache slot `slot_mapping[t]`."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    offs = tl.arange(0, ROW_P)
+    valid = offs < ROW
+    head, d = offs // HEAD_DIM, offs % HEAD_DIM
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=valid, other=0.0)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=valid, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    tl.store(k_cache_ptr + slot * stride_k_slot + offs, _cast(k, k_cache_ptr.dtype.element_ty, UPCAST), mask=valid)
+    tl.store(v_cache_ptr + slot * stride_v_slot + offs, _cast(v, v_cache_ptr.dtype.element_ty, UPCAST), mask=valid)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V (`[T, Hkv, D]`) into their cache slots (`[num_blocks, block_size, Hkv, D]`)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    for cache in (k_cache, v_cache):
+        if not cache.is_contiguous() or tuple(cache.shape[-2:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"cache {tuple(cache.shape)} must be contiguous with [.., {num_kv_heads}, {head_dim}]")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("new K/V need a contiguous last (head_dim) dimension")
+    row = num_kv_heads * head_dim
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), row, row,
+        HEAD_DIM=head_dim, ROW=row, ROW_P=_next_pow2(row), UPCAST=INTERPRET,
+    )
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write the step's K/V, then attend under the tree mask: both on the Triton kernels."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_tree_attention(q, k_cache, v_cache, meta, scale)
+
+
+# -- KV compaction after acceptance ------------------------------------------------------
+
+
+@triton.jit
+def _compact_kv_kernel(
+    cache_ptr, src_ptr, dst_ptr, num_moves, stride_lead, ROW: tl.constexpr, BLOCK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Move rows src[i] -> dst[i] in order, for one leading index (layer) and one chunk of the row.
+
+    In order, so a move may read a slot an earlier move *vacated* but never one an earlier
+    move *wrote*: compaction moves each accepted node down to a lower slot (dst < src and
+    destinations increase), which this order keeps safe.
+    """
+    base = cache_ptr + tl.program_id(0) * stride_lead
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < ROW
+    for i in range(num_moves):
+        src = tl.load(src_ptr + i)
+        dst = tl.load(dst_ptr + i)
+        row = tl.load(base + src * ROW + offs, mask=valid, other=0.0)
+        if UPCAST:
+            row = row.to(tl.float32)
+        tl.store(base + dst * ROW + offs, _cast(row, cache_ptr.dtype.element_ty, UPCAST), mask=valid)
+
+
+def compact_kv(cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Move K or V from `src_slots` to `dst_slots` (flat slot indices, as `compaction_slots` orders them).
+
+    `cache` is `[..., num_blocks, block_size, H, D]` (leading dims, e.g. layers, allowed).
+    """
+    if src_slots.numel() == 0:
+        return
+    if not cache.is_contiguous():
+        raise ValueError("compact_kv needs a contiguous cache")
+    row = cache.shape[-2] * cache.shape[-1]
+    leading = math.prod(cache.shape[:-4])
+    block = min(1024, _next_pow2(row))
+    slots_per_lead = cache.shape[-4] * cache.shape[-3]
+    _compact_kv_kernel[(leading, -(-row // block))](
+        cache, src_slots, dst_slots, src_slots.numel(), slots_per_lead * row,
+        ROW=row, BLOCK=block, UPCAST=INTERPRET,
+    )

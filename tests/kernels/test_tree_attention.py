@@ -1,0 +1,223 @@
+"""The Triton kernels against the torch reference: attention, K/V writes and compaction.
+
+On a machine without a GPU they run through Triton's interpreter (the real kernel code,
+executed on CPU tensors); with a GPU they are compiled for it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from kernels import ops, reference
+from kernels.metadata import AttentionMetadata, compaction_slots
+from specserve.tree import TokenTree
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+triton_kernels = pytest.importorskip("kernels.tree_attention", reason="Triton is not installed")
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def random_tree(rng: random.Random, n: int, shape: str) -> TokenTree:
+    """chain = a prefill chunk, single = a decode step, wide = every node under the root, deep =
+    a long spine with short branches, random = any parent."""
+    if shape == "single" or n == 1:
+        return TokenTree.single(7)
+    if shape == "chain":
+        return TokenTree.chain([7] * n)
+    if shape == "wide":
+        parents = [-1] + [0] * (n - 1)
+    elif shape == "deep":
+        parents = [-1] + [max(0, i - rng.choice([1, 1, 1, 2, 3])) for i in range(1, n)]
+    else:
+        parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return TokenTree((7,) * n, tuple(parents))
+
+
+def paged_case(rng, trees, contexts, block_size, kv_heads, head_dim, dtype):
+    """Caches with each request's context in shuffled, interleaved blocks, and its metadata."""
+    needed = [-(-(ctx + len(tree)) // block_size) for ctx, tree in zip(contexts, trees, strict=True)]
+    num_blocks = sum(needed) + 2
+    order = list(range(num_blocks))
+    rng.shuffle(order)
+    tables, used = [], 0
+    for count in needed:
+        tables.append(order[used : used + count])
+        used += count
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    meta = AttentionMetadata.build(trees, contexts, tables, block_size, device=DEVICE)
+    return meta, k_cache, v_cache
+
+
+def assert_matches_reference(q, k_cache, v_cache, meta, dtype, num_splits=None):
+    scale = q.shape[-1] ** -0.5
+    out = triton_kernels.paged_tree_attention(q, k_cache, v_cache, meta, scale, num_splits=num_splits)
+    # The reference in fp32 on the same (rounded) inputs: the kernel accumulates in fp32 too.
+    expected = reference.paged_tree_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+# (query heads, kv heads, head_dim): GQA 1, 2, 4, MQA, SmolLM2's group of 3, and head_dim 64 / 128 / 32
+HEADS = [(4, 4, 64), (4, 2, 128), (8, 2, 64), (8, 1, 32), (9, 3, 64), (4, 1, 16)]
+SHAPES = ["chain", "single", "wide", "deep", "random"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d")
+def test_random_trees_over_ragged_contexts(heads, dtype):
+    num_heads, kv_heads, head_dim = heads
+    rng = random.Random(hash((heads, str(dtype))) % 2**31)
+    trees = [random_tree(rng, rng.choice([1, 3, 9, 24, 64]), shape) for shape in rng.sample(SHAPES, 3)]
+    contexts = [rng.choice([0, 1, 15, 16, 17, 100, 300]) for _ in trees]
+    meta, k_cache, v_cache = paged_case(rng, trees, contexts, rng.choice([16, 32]), kv_heads, head_dim, dtype)
+    q = torch.randn(meta.num_tokens, num_heads, head_dim).to(DEVICE, dtype)
+    assert_matches_reference(q, k_cache, v_cache, meta, dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_tree_shape_alone(shape):
+    rng = random.Random(len(shape))
+    trees = [random_tree(rng, 20, shape), random_tree(rng, 5, shape)]
+    meta, k_cache, v_cache = paged_case(rng, trees, [37, 0], 16, 2, 64, torch.float32)
+    q = torch.randn(meta.num_tokens, 8, 64, device=DEVICE)
+    assert_matches_reference(q, k_cache, v_cache, meta, torch.float32)
+
+
+def test_decode_batch_of_single_nodes():
+    """The decode case: one node per request, contexts from empty to several blocks."""
+    rng = random.Random(5)
+    contexts = [0, 1, 16, 33, 128, 299]
+    trees = [TokenTree.single(1) for _ in contexts]
+    meta, k_cache, v_cache = paged_case(rng, trees, contexts, 16, 2, 128, torch.bfloat16)
+    q = torch.randn(meta.num_tokens, 8, 128).to(DEVICE, torch.bfloat16)
+    assert_matches_reference(q, k_cache, v_cache, meta, torch.bfloat16)
+
+
+@pytest.mark.parametrize("size", [65, 100])
+def test_trees_beyond_64_nodes_use_the_dense_mask(size):
+    rng = random.Random(size)
+    trees = [random_tree(rng, size, "random"), random_tree(rng, 30, "deep")]
+    meta, k_cache, v_cache = paged_case(rng, trees, [50, 200], 16, 1, 64, torch.float32)
+    assert meta.max_tree_len > triton_kernels.BITMASK_MAX_NODES
+    q = torch.randn(meta.num_tokens, 4, 64, device=DEVICE)
+    assert_matches_reference(q, k_cache, v_cache, meta, torch.float32)
+
+
+def test_long_prefill_chain_spans_many_query_tiles():
+    rng = random.Random(3)
+    trees = [TokenTree.chain([1] * 150), TokenTree.single(1)]
+    meta, k_cache, v_cache = paged_case(rng, trees, [40, 10], 16, 3, 64, torch.float32)
+    q = torch.randn(meta.num_tokens, 9, 64, device=DEVICE)
+    assert_matches_reference(q, k_cache, v_cache, meta, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_context_split_across_programs_merges_exactly(num_splits):
+    """Flash-decoding: the context is cut into splits whose partial softmaxes are merged.
+    Splits can be empty (a short context), and the tree's keys sit in the last one."""
+    rng = random.Random(num_splits)
+    trees = [TokenTree.single(1), random_tree(rng, 4, "random")]
+    meta, k_cache, v_cache = paged_case(rng, trees, [300, 20], 16, 1, 64, torch.float32)
+    q = torch.randn(meta.num_tokens, 2, 64, device=DEVICE)
+    assert_matches_reference(q, k_cache, v_cache, meta, torch.float32, num_splits=num_splits)
+
+
+def test_block_size_larger_than_the_key_tile():
+    rng = random.Random(11)
+    trees = [random_tree(rng, 12, "random"), TokenTree.single(1)]
+    meta, k_cache, v_cache = paged_case(rng, trees, [200, 90], 128, 2, 64, torch.float16)
+    q = torch.randn(meta.num_tokens, 4, 64).to(DEVICE, torch.float16)
+    assert_matches_reference(q, k_cache, v_cache, meta, torch.float16)
+
+
+def test_head_dim_must_be_a_multiple_of_16():
+    meta, k_cache, v_cache = paged_case(random.Random(0), [TokenTree.single(1)], [3], 16, 1, 24, torch.float32)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        triton_kernels.paged_tree_attention(torch.randn(1, 2, 24, device=DEVICE), k_cache, v_cache, meta, 1.0)
+
+
+def test_tree_bitmask_sets_ancestor_bits():
+    tree = TokenTree((1,) * 5, (-1, 0, 0, 1, 3))
+    meta = AttentionMetadata.build([TokenTree.single(1), tree], [4, 9], [[0], [1]], 16)
+    assert meta.tree_bitmask.tolist() == [0b1, 0b1, 0b11, 0b101, 0b1011, 0b11011]
+    wide = TokenTree((1,) * 64, (-1,) + (0,) * 63)
+    last = AttentionMetadata.build([wide], [0], [[0, 1, 2, 3]], 16).tree_bitmask[-1]
+    assert int(last) == -(2**63) + 1  # bit 63 is the sign bit, bit 0 the root
+
+
+# -- K/V writes and compaction -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_kv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, head_dim = 3, 64
+    k_cache = torch.randn(6, 16, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(6, 16, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    # K and V as the model makes them: views into one fused projection (strided), in fp32
+    fused = torch.randn(10, 2 * kv_heads, head_dim, generator=gen).to(DEVICE)
+    k, v = fused[:, :kv_heads], fused[:, kv_heads:]
+    slots = torch.tensor([95, 0, 17, 18, 40, 41, 42, 63, 64, 80], device=DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k, v, expected_k, expected_v, slots)
+    triton_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_compaction_matches_reference_across_requests_and_layers():
+    """Accepted paths of several requests moved down in one launch, over all layers at once."""
+    rng = random.Random(4)
+    layers, blocks, block_size, kv_heads, head_dim = 3, 12, 16, 2, 64
+    cache = torch.randn(layers, blocks, block_size, kv_heads, head_dim).to(DEVICE)
+    src, dst = [], []
+    for table, ctx in (([3, 7, 1], 10), ([0, 11], 5), ([5, 2, 9], 20)):
+        accepted = [0] + sorted(rng.sample(range(1, 12), rng.randint(1, 6)))
+        s, d = compaction_slots(table, ctx, accepted, block_size)
+        src += s
+        dst += d
+    src_t, dst_t = torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE)
+    expected = cache.clone()
+    reference.compact_kv(expected, src_t, dst_t)
+    triton_kernels.compact_kv(cache, src_t, dst_t)
+    assert len(src) > 3 and torch.equal(cache, expected)
+
+
+# -- dispatch ------------------------------------------------------------------------------
+
+
+def test_cpu_tensors_take_the_reference_unless_triton_is_forced(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_ATTENTION", raising=False)
+    assert ops.backend(torch.device("cpu")) == "reference"
+    assert ops.backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("SPECSERVE_ATTENTION", "triton")
+    assert ops.backend(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("SPECSERVE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="triton, reference"):
+        ops.backend(torch.device("cpu"))
+
+
+def test_forced_triton_runs_the_kernel_through_the_ops(monkeypatch):
+    rng = random.Random(9)
+    trees = [random_tree(rng, 6, "random")]
+    meta, k_cache, v_cache = paged_case(rng, trees, [20], 16, 2, 32, torch.float32)
+    q, k, v = (torch.randn(meta.num_tokens, h, 32, device=DEVICE) for h in (4, 2, 2))
+    calls = []
+    real = triton_kernels.paged_tree_attention
+    monkeypatch.setattr(triton_kernels, "paged_tree_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("SPECSERVE_ATTENTION", "triton")
+    k_ours, v_ours = k_cache.clone(), v_cache.clone()
+    out = ops.tree_attention(q, k, v, k_ours, v_ours, meta, 0.2)
+    expected = reference.tree_attention(q, k, v, k_cache, v_cache, meta, 0.2)
+    assert calls == [1]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_ours, k_cache) and torch.equal(v_ours, v_cache)
