@@ -65,9 +65,7 @@ def _attention_configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
-        for block_n in (32, 64, 128)
-        for warps in (4, 8)
-        for stages in (2, 3)
+        for block_n, warps, stages in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2))
     ]
 
 
@@ -122,7 +120,7 @@ def _tree_attention_kernel(
     block_tables_ptr, query_start_ptr, context_lens_ptr, tree_lens_ptr,
     tree_bits_ptr, dense_mask_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, split_size, num_heads,
+    scale_log2, split_size, num_splits, num_heads,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -130,13 +128,13 @@ def _tree_attention_kernel(
     stride_bt, stride_mb, stride_mi,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CHAIN: tl.constexpr, USE_BITMASK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IS_CHAIN: tl.constexpr, USE_BITMASK: tl.constexpr, SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     request = tl.program_id(0)
     q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
 
     tree_len = tl.load(tree_lens_ptr + request)
     if q_tile * BLOCK_Q >= tree_len:
@@ -179,7 +177,7 @@ def _tree_attention_kernel(
         )
 
     # 2. The tree's own keys (last split only), up to the tile's last node: ancestors precede a node.
-    if split == NUM_SPLITS - 1:
+    if split == num_splits - 1:
         tree_end = tl.minimum(tree_len, (q_tile + 1) * BLOCK_Q)
         if USE_BITMASK:
             bits = tl.load(tree_bits_ptr + token, mask=row_valid, other=0)
@@ -204,14 +202,14 @@ def _tree_attention_kernel(
             )
 
     out_mask = row_valid[:, None] & d_valid[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             _cast(out, out_ptr.dtype.element_ty, UPCAST), mask=out_mask,
         )
-    else:  # partials [T, Hq, NUM_SPLITS(, D)], merged by _merge_splits_kernel
-        part = (token * num_heads + head) * NUM_SPLITS + split
+    else:  # partials [T, Hq, num_splits(, D)], merged by _merge_splits_kernel
+        part = (token * num_heads + head) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
@@ -219,18 +217,18 @@ def _tree_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, num_heads,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_SPLITS_P: tl.constexpr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS_P: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for one (token, query head)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS_P)
-    s_valid = offs_s < NUM_SPLITS
+    s_valid = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_valid = offs_d < HEAD_DIM
-    part = (token * num_heads + head) * NUM_SPLITS + offs_s
+    part = (token * num_heads + head) * num_splits + offs_s
     m = tl.load(part_max_ptr + part, mask=s_valid, other=float("-inf"))
     l_s = tl.load(part_sum_ptr + part, mask=s_valid, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_valid[:, None] & d_valid[None, :],
@@ -244,7 +242,7 @@ def _merge_splits_kernel(
 
 _tuned_attention = triton.autotune(
     configs=_attention_configs(),
-    key=["HEAD_DIM", "GROUP_P", "BLOCK_Q", "IS_CHAIN", "USE_BITMASK", "NUM_SPLITS", "BLOCK_SIZE"],
+    key=["HEAD_DIM", "GROUP_P", "BLOCK_Q", "IS_CHAIN", "USE_BITMASK", "SPLIT", "BLOCK_SIZE"],
 )(_tree_attention_kernel)
 
 # Context tiles are split at multiples of the largest key tile any config uses.
@@ -318,7 +316,7 @@ def paged_tree_attention(
         meta.block_tables, meta.query_start_loc, meta.context_lens, meta.tree_lens,
         tree_bits, dense_mask,
         part_acc, part_max, part_sum,
-        scale * _LOG2E, split_size, num_heads,
+        scale * _LOG2E, split_size, num_splits, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -326,14 +324,14 @@ def paged_tree_attention(
         meta.block_tables.stride(0), dense_mask.stride(0), dense_mask.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
-        IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, NUM_SPLITS=num_splits,
+        IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, SPLIT=num_splits > 1,
         UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
-            NUM_SPLITS=num_splits, NUM_SPLITS_P=_next_pow2(num_splits), UPCAST=INTERPRET,
+            out, part_acc, part_max, part_sum, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim), NUM_SPLITS_P=_next_pow2(num_splits),
+            UPCAST=INTERPRET,
         )
     return out
 
