@@ -63,6 +63,8 @@ _LOG2E = 1.4426950408889634
 def _attention_configs() -> list[triton.Config]:
     if INTERPRET:  # the interpreter runs one config; larger key tiles mean fewer interpreted steps
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    if os.environ.get("SPECSERVE_TRITON_AUTOTUNE", "1") == "0":  # e.g. tests: skip the tuning compiles
+        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2)]
     return [
         triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
         for block_n, warps, stages in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2))
