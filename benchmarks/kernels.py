@@ -16,25 +16,40 @@ fraction of a device-to-device copy measured in the same run (bytes read + writt
 the datasheet figure where the device is known.
 
     python benchmarks/kernels.py [--batches 1 8 32 64] [--contexts 512 2048 8192] [--trees 1 16 64]
+
+`--device cpu` runs the same script with the kernel in Triton's interpreter: a smoke test of
+the script on small shapes, not a measurement of the kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from report import write_report
-from tqdm import tqdm
+# This script shares its name with the `kernels` package: take its folder off the import path
+# so `import kernels` finds the package, then put it back (last) for `report`.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from kernels import reference
-from kernels.metadata import AttentionMetadata
-from specserve.tree import TokenTree
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+from kernels import reference  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
+from specserve.tree import TokenTree  # noqa: E402
+
+sys.path.append(str(HERE))
+from report import write_report  # noqa: E402
+
+RESULTS = HERE / "results"
 DATASHEET_TBPS = {"H200": 4.8, "H100 80GB HBM3": 3.35, "H100": 3.35, "A100": 2.0}
 
 
@@ -46,11 +61,30 @@ def datasheet_bandwidth(name: str) -> float | None:
     return None
 
 
-def measured_copy_bandwidth(do_bench) -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
+def timer(device: str, rep_ms: int) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of a call: CUDA events via do_bench on a GPU, perf_counter on a CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+    def cpu_time(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    return cpu_time
+
+
+def measured_copy_bandwidth(device: str, time_ms) -> float:
+    """Bytes read + written per second by a large device-to-device copy (2 GiB on a GPU)."""
+    src = torch.empty(2**30 if device == "cuda" else 2**26, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    ms = time_ms(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
@@ -62,7 +96,7 @@ def draft_tree(rng: random.Random, size: int) -> TokenTree:
     return TokenTree((1,) * size, parents)
 
 
-def make_case(batch: int, context: int, tree_size: int, args, seed: int):
+def make_case(batch: int, context: int, tree_size: int, args, seed: int, device: str):
     rng = random.Random(seed)
     trees = [draft_tree(rng, tree_size) for _ in range(batch)]
     per_request = -(-(context + tree_size) // args.block_size)
@@ -71,10 +105,10 @@ def make_case(batch: int, context: int, tree_size: int, args, seed: int):
     rng.shuffle(order)  # scattered blocks, as a long-running server's pool looks
     tables = [order[b * per_request : (b + 1) * per_request] for b in range(batch)]
     shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
-    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    meta = AttentionMetadata.build(trees, [context] * batch, tables, args.block_size, device="cuda")
-    q = torch.randn(meta.num_tokens, args.heads, args.head_dim, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device=device)
+    meta = AttentionMetadata.build(trees, [context] * batch, tables, args.block_size, device=device)
+    q = torch.randn(meta.num_tokens, args.heads, args.head_dim, dtype=torch.bfloat16, device=device)
     return q, k_cache, v_cache, meta
 
 
@@ -109,24 +143,26 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per contender and shape")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(RESULTS / "kernels"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py times the compiled Triton kernel and needs a CUDA GPU; "
-                         "on a CPU the kernel tests run it through the interpreter instead")
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+        print("no GPU: running the kernel through Triton's interpreter (a smoke test, not a measurement)")
     import triton
-    from triton.testing import do_bench
 
     from kernels import tree_attention as kernel
 
-    device = torch.cuda.get_device_name()
-    copy_bw = measured_copy_bandwidth(do_bench)
-    sheet_bw = datasheet_bandwidth(device)
+    time_ms = timer(args.device, args.rep_ms)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({platform.processor() or 'unknown'})"
+    copy_bw = measured_copy_bandwidth(args.device, time_ms)
+    sheet_bw = datasheet_bandwidth(device) if args.device == "cuda" else None
     scale = args.head_dim**-0.5
     shapes = [(b, c, t) for b in args.batches for c in args.contexts for t in args.trees]
     rows, records = [], []
     for batch, context, tree_size in tqdm(shapes, desc="shapes"):
-        q, k_cache, v_cache, meta = make_case(batch, context, tree_size, args, seed=batch * 7 + context + tree_size)
+        seed = batch * 7 + context + tree_size
+        q, k_cache, v_cache, meta = make_case(batch, context, tree_size, args, seed, args.device)
         sdpa_gqa, sdpa_expanded = sdpa_dense(q, k_cache, v_cache, meta, scale)
         contenders = {
             "kernel": lambda q=q, k=k_cache, v=v_cache, m=meta: kernel.paged_tree_attention(q, k, v, m, scale),
@@ -136,7 +172,7 @@ def main() -> None:
         }
         expected = contenders["reference"]().float()
         error = (contenders["kernel"]().float() - expected).abs().max().item()  # also autotunes
-        ms = {name: do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median") for name, fn in contenders.items()}
+        ms = {name: time_ms(fn) for name, fn in contenders.items()}
         ms["sdpa"] = min(ms["sdpa_gqa"], ms["sdpa_expanded"])  # SDPA's better way of doing GQA
         kv_bytes = batch * (context + tree_size) * args.kv_heads * args.head_dim * 2 * k_cache.element_size()
         bandwidth = kv_bytes / (ms["kernel"] * 1e-3)
@@ -152,14 +188,16 @@ def main() -> None:
                      f"{100 * record['fraction_of_copy']:.0f}%",
                      "-" if sheet_bw is None else f"{100 * record['fraction_of_datasheet']:.0f}%", f"{error:.1e}"])
         del q, k_cache, v_cache, meta, contenders, expected, sdpa_gqa, sdpa_expanded
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
     result = dict(device=device, copy_bytes_per_s=copy_bw, datasheet_bytes_per_s=sheet_bw,
                   torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                   config=vars(args), results=records)
+    timing = "CUDA events, do_bench" if args.device == "cuda" else "perf_counter; interpreter smoke run"
     sheet = "unknown" if sheet_bw is None else f"{sheet_bw / 1e12:.2f} TB/s"
     caption = (f"Tree attention on {device}, bf16, {args.heads} query / {args.kv_heads} KV heads x {args.head_dim}, "
-               f"block size {args.block_size}; median ms (do_bench). K/V bandwidth of the kernel against a "
+               f"block size {args.block_size}; median ms ({timing}). K/V bandwidth of the kernel against a "
                f"device-to-device copy measured in this run ({copy_bw / 1e12:.2f} TB/s) and the datasheet ({sheet}). "
                f"sdpa = dense-mask SDPA over pre-gathered K/V (gather untimed); reference = our torch path.")
     header = ["batch", "context", "tree", "kernel ms", "sdpa ms", "reference ms", "vs sdpa", "vs reference",

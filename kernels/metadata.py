@@ -113,6 +113,10 @@ class AttentionMetadata:
         return int(self.tree_lens.max())
 
     @cached_property
+    def max_context_len(self) -> int:
+        return int(self.context_lens.max())
+
+    @cached_property
     def max_seq_len(self) -> int:
         """Longest `context_len + tree_len`: the keys one request attends to, at most."""
         return int((self.context_lens + self.tree_lens).max())

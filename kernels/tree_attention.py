@@ -23,6 +23,7 @@ code on CPU tensors. There bf16 arithmetic is wrong, so every load is upcast to 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -260,12 +261,16 @@ def _rows_per_head_group(max_tree_len: int, group_p: int) -> int:
     return max(16 // group_p, min(_next_pow2(max_tree_len), max(1, 128 // group_p)))
 
 
-def _num_splits(meta: AttentionMetadata, programs: int, device: torch.device) -> int:
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_splits(max_context: int, programs: int, device: torch.device) -> int:
     """Split long contexts across programs when the batch alone leaves the GPU's SMs idle."""
     if INTERPRET or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    max_context = int(meta.context_lens.max())
+    sms = _multiprocessors(device)
     if programs >= sms or max_context < 2 * _SPLIT_ALIGN:
         return 1
     return max(1, min(-(-2 * sms // programs), max_context // _SPLIT_ALIGN, 32))
@@ -298,9 +303,8 @@ def paged_tree_attention(
     q_tiles = -(-meta.max_tree_len // block_q)
     use_bitmask = meta.max_tree_len <= BITMASK_MAX_NODES
     if num_splits is None:
-        num_splits = _num_splits(meta, meta.num_requests * q_tiles * num_kv_heads, q.device)
-    max_context = int(meta.context_lens.max())
-    split_size = -(-max(max_context, 1) // num_splits)
+        num_splits = _num_splits(meta.max_context_len, meta.num_requests * q_tiles * num_kv_heads, q.device)
+    split_size = -(-max(meta.max_context_len, 1) // num_splits)
     split_size = -(-split_size // _SPLIT_ALIGN) * _SPLIT_ALIGN
 
     out = torch.empty_like(q)

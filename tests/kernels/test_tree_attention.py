@@ -84,6 +84,23 @@ def test_random_trees_over_ragged_contexts(heads, dtype):
     assert_matches_reference(q, k_cache, v_cache, meta, dtype)
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_seeded_sweep_of_mixed_steps(seed):
+    """Anything goes in one step: 1-5 requests, each tree shape and size, contexts 0..300,
+    block sizes 16-64, any GQA ratio, any dtype."""
+    rng = random.Random(1000 + seed)
+    kv_heads = rng.choice([1, 2, 4])
+    num_heads = kv_heads * rng.choice([1, 2, 3, 4])
+    head_dim = rng.choice([16, 32, 64, 128])
+    dtype = rng.choice(list(TOLERANCE))
+    count = rng.randint(1, 5)
+    trees = [random_tree(rng, rng.randint(1, 40), rng.choice(SHAPES)) for _ in range(count)]
+    contexts = [rng.randint(0, 300) for _ in range(count)]
+    meta, k_cache, v_cache = paged_case(rng, trees, contexts, rng.choice([16, 32, 64]), kv_heads, head_dim, dtype)
+    q = torch.randn(meta.num_tokens, num_heads, head_dim).to(DEVICE, dtype)
+    assert_matches_reference(q, k_cache, v_cache, meta, dtype)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_each_tree_shape_alone(shape):
     rng = random.Random(len(shape))
