@@ -61,3 +61,25 @@ def tiny_chat_model(smollm2_path, tmp_path_factory) -> Path:
         if (smollm2_path / name).exists():
             shutil.copy(smollm2_path / name, directory / name)
     return directory
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit test of observed `counts` against `probs`.
+
+    Outcomes expected fewer than 5 times are pooled into one bin (the test's usual validity
+    rule); the p-value comes from the chi-square survival function (regularised gamma).
+    """
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    chi2 = ((counts - expected) ** 2 / expected.clamp(min=1e-12)).sum()
+    df = counts.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), chi2 / 2))
+
+
+@pytest.fixture
+def chi_square():
+    return chi_square_p_value

@@ -1,0 +1,130 @@
+"""Verification is lossless: tokens emitted through drafted trees are distributed exactly as the
+target alone samples them, for sampled and deterministic drafts, under temperature, top-p and
+penalties; greedy verification accepts exactly the target's argmax path.
+
+The target here is a Markov chain over a small vocabulary (next-token logits depend on the last
+token only), so the exact distribution of the first three tokens is known in closed form.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from specserve import verify as verify_module
+from specserve.sampling import SamplingParams, SamplingRow, sampling_distribution
+from specserve.tree import TokenTree
+from specserve.verify import verify
+
+VOCAB = 5
+FIRST = 0  # the prompt's last token: the root of the first tree
+TARGET = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) * 1.5
+DRAFT = TARGET + torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(1))  # a decent, imperfect drafter
+
+
+def draft_tree(root: int, mode: str, gen: torch.Generator) -> tuple[TokenTree, dict[int, torch.Tensor]]:
+    """Two levels of two children each: sampled without replacement from the drafter's
+    distribution (`sampled`, with `probs`), or its top-2 (`deterministic`, no probs)."""
+    tokens, parents, probs = [root], [-1], {}
+    frontier = [0]
+    for _ in range(2):
+        next_frontier = []
+        for node in frontier:
+            q = DRAFT[tokens[node]].softmax(-1)
+            if mode == "sampled":
+                picks = torch.multinomial(q, 2, replacement=False, generator=gen).tolist()
+                probs[node] = q
+            else:
+                picks = q.topk(2).indices.tolist()
+            for token in picks:
+                tokens.append(token)
+                parents.append(node)
+                next_frontier.append(len(tokens) - 1)
+        frontier = next_frontier
+    return TokenTree(tuple(tokens), tuple(parents)), probs
+
+
+def speculative_prefix(params: SamplingParams, mode: str, gen: torch.Generator, length: int = 3) -> tuple[int, ...]:
+    """Generate `length` tokens by repeated draft-and-verify steps."""
+    output: list[int] = []
+    while len(output) < length:
+        tree, probs = draft_tree(output[-1] if output else FIRST, mode, gen)
+        logits = TARGET[list(tree.tokens)]  # node i's next-token logits: the chain's row for its token
+        verdict = verify(tree, logits, SamplingRow(params, [FIRST], list(output), gen), probs)
+        assert verdict.tokens[:-1] == [tree.tokens[n] for n in verdict.path[1:]]
+        output += verdict.tokens
+    return tuple(output[:length])
+
+
+def exact_distribution(params: SamplingParams, length: int = 3) -> torch.Tensor:
+    """P(first `length` tokens) when the target samples alone, with the same sampling rules."""
+    probs = torch.zeros((VOCAB,) * length, dtype=torch.float64)
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        p, last = 1.0, FIRST
+        for i, token in enumerate(seq):
+            p *= float(sampling_distribution(TARGET[last], SamplingRow(params, [FIRST], list(seq[:i])))[token])
+            last = token
+        probs[seq] = p
+    return probs
+
+
+def sample_counts(params: SamplingParams, mode: str, draws: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
+    for _ in range(draws):
+        counts[speculative_prefix(params, mode, gen)] += 1
+    return counts
+
+
+CASES = {
+    "T=1": SamplingParams(temperature=1.0),
+    "T=0.7, top_p=0.8": SamplingParams(temperature=0.7, top_p=0.8),
+    "T=1, penalties": SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.5),
+}
+
+
+@pytest.mark.parametrize("mode", ["sampled", "deterministic"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_sampling_has_the_targets_distribution(case, mode, chi_square):
+    params = CASES[case]
+    draws = 20_000 if case == "T=1" else 6_000
+    counts = sample_counts(params, mode, draws, seed=zlib.crc32(f"{case}/{mode}".encode()))  # fixed: no flakes
+    p_value = chi_square(counts, exact_distribution(params))
+    assert p_value > 0.01, f"{case}, {mode} drafts: chi-square rejects equality (p = {p_value:.2e})"
+
+
+@pytest.mark.parametrize("mode", ["sampled", "deterministic"])
+def test_an_always_accepting_verifier_is_caught(mode, chi_square, monkeypatch):
+    """The same test must fail for a broken verifier, or it proves nothing."""
+    monkeypatch.setattr(verify_module, "accept_probability", lambda p_x, q_x: 1.0)
+    params = CASES["T=1"]
+    counts = sample_counts(params, mode, 20_000, seed=5)
+    assert chi_square(counts, exact_distribution(params)) < 0.01
+
+
+def test_greedy_accepts_exactly_the_argmax_path():
+    tree = TokenTree((0, 3, 1, 2, 4, 2), (-1, 0, 0, 1, 1, 2))
+    logits = torch.full((len(tree), 8), -5.0)
+    for node, best in enumerate([3, 4, 2, 6, 7, 1]):  # node 0 wants 3 (node 1), node 1 wants 4 (node 4)
+        logits[node, best] = 5.0
+    verdict = verify(tree, logits, SamplingRow(SamplingParams(temperature=0), [0], []))
+    assert verdict.path == [0, 1, 4] and verdict.tokens == [3, 4, 7]
+    assert verdict.num_accepted == 2
+
+
+def test_greedy_with_penalties_walks_the_penalised_argmax():
+    """Penalties see the path's own tokens: after drafting 3, a repeated 3 loses to 2."""
+    tree = TokenTree.chain([0, 3, 3])
+    logits = torch.tensor([[0.0, 0, 1.0, 2.0]] * 3)
+    params = SamplingParams(temperature=0, repetition_penalty=4.0)
+    verdict = verify(tree, logits, SamplingRow(params, [0], []))
+    # node 0: 3 (2.0) beats 2 (1.0); node 1 has 3 in its history: 2.0 / 4 = 0.5 < 1.0 -> 2
+    assert verdict.path == [0, 1] and verdict.tokens == [3, 2]
+
+
+def test_rows_must_match_nodes():
+    with pytest.raises(ValueError, match="one row of logits per tree node"):
+        verify(TokenTree.chain([1, 2]), torch.zeros(3, 4), SamplingRow(SamplingParams(), [1], []))
