@@ -128,19 +128,28 @@ class BlockManager:
         """Release a finished, aborted or preempted request's blocks (tail first, so a shared
         prefix outlives the private tail in the LRU order)."""
         for block in reversed(table.block_ids):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] < 0:
-                raise RuntimeError(f"block {block} freed more often than it was referenced")
-            if self.ref_counts[block] == 0:
-                if self.hashes[block] is not None:
-                    self.evictable[block] = None
-                else:
-                    self.free_ids.append(block)
+            self._release(block)
         table.block_ids.clear()
         table.num_hashed_blocks = 0
         table.last_hash = None
 
+    def trim(self, table: BlockTable, num_slots: int) -> None:
+        """Give back tail blocks beyond `num_slots` slots (e.g. those a rejected draft used)."""
+        keep = max(-(-num_slots // self.block_size), table.num_hashed_blocks)
+        while len(table.block_ids) > keep:
+            self._release(table.block_ids.pop())
+
     # -- internals ------------------------------------------------------------------------------
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] < 0:
+            raise RuntimeError(f"block {block} freed more often than it was referenced")
+        if self.ref_counts[block] == 0:
+            if self.hashes[block] is not None:
+                self.evictable[block] = None
+            else:
+                self.free_ids.append(block)
 
     def _take_fresh_block(self) -> int:
         if self.free_ids:

@@ -36,14 +36,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.draft not in (None, "none"):
-        raise ValueError(
-            "--draft: speculative decoding is not in this version yet (it arrives with the speculative "
-            "engine); run without --draft, or with --draft none"
-        )
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
-    llm = LLM(args.target, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(args.target, draft=args.draft, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+              max_tree_tokens=args.max_tree_tokens)
     engine = llm.engine
     if not args.json:
         print(f"[KV cache holds {engine.num_kv_tokens} tokens]", file=sys.stderr)
@@ -94,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate a completion offline")
     p.add_argument("prompt")
     p.add_argument("--target", default=DEFAULT_TARGET, help="known name, HF directory or .gguf path")
-    p.add_argument("--draft", default=None, help="drafter spec (speculation arrives in a later version)")
+    p.add_argument("--draft", default=None, help="drafter spec: ngram, none (default), or several joined by +")
+    p.add_argument("--max-tree-tokens", type=int, default=8, help="drafted tokens per step at most")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)

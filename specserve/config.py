@@ -18,6 +18,8 @@ class EngineConfig:
     kv_cache_memory: int | float | str = DEFAULT_KV_CACHE_MEMORY  # bytes, "2GiB", or a fraction of free RAM
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
+    draft: str = "none"  # drafter spec (see `drafters.spec`): "ngram", "early-exit:6", a model, "a+b", "none"
+    max_tree_tokens: int = 8  # drafted nodes per request and step at most
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -29,6 +31,11 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): raise the token budget or lower max_num_seqs")
+        if self.max_tree_tokens < 0:
+            raise ValueError(f"max_tree_tokens must be >= 0, got {self.max_tree_tokens}")
+        from drafters.spec import parse_spec
+
+        parse_spec(self.draft)  # a bad spec fails here, before any model loads
         self.kv_cache_bytes  # validate early  # noqa: B018
 
     @property

@@ -1,6 +1,10 @@
 """The synchronous engine: `add_request`, then `step()` until done. One step is
 
-    Scheduler.schedule() -> StepPlan -> ModelRunner.forward() -> sample -> outputs
+    Scheduler.schedule() -> StepPlan             who runs, prefill chunks, a tree budget each
+    Drafter.propose()    -> Draft per sequence   trees rooted at each decoding sequence's last token
+    ModelRunner.forward()                        one target pass over every chain and tree
+    verify() / sample()  -> tokens               accepted path + bonus token, or one sampled token
+    KVCache.compact(), BlockManager.commit()     accepted K/V made contiguous, full blocks hashed
 
 The asynchronous engine (`specserve.async_engine`) runs this same loop in a thread.
 """
@@ -10,12 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
 import torch
 
+from drafters import Draft, Drafter, DraftRequest, build_drafter
+from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
 from specserve.detokenizer import TextStream, load_tokenizer
@@ -24,8 +30,9 @@ from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.models.loader import load_model
 from specserve.outputs import RequestOutput, completion_output, request_metrics
 from specserve.sampling import SamplingParams, sample, top_logprobs
-from specserve.scheduler import Scheduler
-from specserve.sequence import Sequence, TokenLogprob
+from specserve.scheduler import ScheduledSequence, Scheduler
+from specserve.sequence import Sequence, SpecStats, TokenLogprob
+from specserve.verify import Verdict, verify
 
 logger = logging.getLogger("specserve")
 
@@ -70,6 +77,9 @@ class LLMEngine:
         self.eos_ids = frozenset(eos)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = count()
+        self.drafter = build_drafter(self.config.draft)
+        self._drafters: dict[str, Drafter | None] = {self.config.draft: self.drafter}  # per-request specs
+        self.metrics = EngineMetrics()
         logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s); max_model_len %d", num_blocks,
                     block_size, self.num_kv_tokens, num_blocks * per_block / 2**20, self.model.dtype,
                     self.max_model_len)
@@ -115,6 +125,7 @@ class LLMEngine:
             prompt_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.validate(prompt_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        drafter, max_tree_tokens = self._speculation_for(params)
         seqs: list[Sequence] = []
         for index in range(params.n):
             seqs.append(Sequence(
@@ -122,6 +133,7 @@ class LLMEngine:
                 params=params, text=TextStream(self.tokenizer, prompt_ids, params.stop), stop_ids=stop_ids,
                 generator=_generator(params.seed, index),
                 waits_for=seqs[0] if index and self.config.enable_prefix_caching else None,
+                drafter=drafter, max_tree_tokens=max_tree_tokens,
             ))
         self.requests[request_id] = _Request(request_id, text, prompt_ids, seqs)
         for seq in seqs:
@@ -135,8 +147,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                seq.finish_time = time.perf_counter()
-                self.scheduler.finish(seq)
+                self._finish(seq)
         return self._output(request, {})
 
     def has_unfinished(self) -> bool:
@@ -152,25 +163,121 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not schedule any waiting sequence (a bug: "
                                    "requests that cannot fit are rejected when added)")
             return []
-        results = self.runner.forward([
-            TreeRequest(s.tree(), s.context_len, s.seq.block_table.block_ids, "last" if s.samples else "none")
-            for s in plan.scheduled
-        ])
-        for s in plan.scheduled:
-            seq = s.seq
-            seq.num_computed += s.num_tokens
-            seq.num_forwarded_tokens += s.num_tokens
-            self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed)
+        self.metrics.steps += 1
+        drafts = self._propose(plan.scheduled)
+        start = time.perf_counter()
+        results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled])
+        if drafts:
+            self.metrics.target_s += time.perf_counter() - start
 
-        sampling = [(s, r.logits[-1]) for s, r in zip(plan.scheduled, results, strict=True) if s.samples]
-        if not sampling:
-            return []
-        logits = torch.stack([row for _, row in sampling])
-        tokens = sample(logits, [s.seq.sampling_row() for s, _ in sampling])
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
-        for (s, row), token in zip(sampling, tokens, strict=True):
-            deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
+        plain: list[tuple[ScheduledSequence, torch.Tensor]] = []
+        speculated = []
+        for s, result in zip(plan.scheduled, results, strict=True):
+            draft = drafts.get(s.seq.seq_id)
+            if draft is None:
+                s.seq.num_computed += s.num_tokens
+                s.seq.num_forwarded_tokens += s.num_tokens
+                self.block_manager.commit(s.seq.block_table, s.seq.token_ids, s.seq.num_computed)
+                if s.samples:
+                    plain.append((s, result.logits[-1]))
+            else:
+                speculated.append((s, draft, result.logits))
+        for s, draft, logits, verdict in self._verify(speculated):
+            delta = deltas.setdefault(s.seq.request_id, {})
+            delta[s.seq.index] = self._commit_speculated(s, draft, logits, verdict)
+
+        if plain:
+            logits = torch.stack([row for _, row in plain])
+            tokens = sample(logits, [s.seq.sampling_row() for s, _ in plain])
+            for (s, row), token in zip(plain, tokens, strict=True):
+                deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
         return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
+
+    # -- speculation ----------------------------------------------------------------------------
+
+    def _speculation_for(self, params: SamplingParams) -> tuple[Drafter | None, int]:
+        """The drafter and tree cap of a new request: the engine's, unless the request says otherwise."""
+        spec = params.speculation
+        if spec is None:
+            return self.drafter, self.config.max_tree_tokens
+        if not spec.enabled:
+            return None, 0
+        drafter = self.drafter
+        if spec.drafter is not None:
+            if spec.drafter not in self._drafters:
+                self._drafters[spec.drafter] = build_drafter(spec.drafter)
+            drafter = self._drafters[spec.drafter]
+        cap = self.config.max_tree_tokens if spec.max_tree_tokens is None else spec.max_tree_tokens
+        return drafter, cap
+
+    def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
+        """A draft per sequence the scheduler gave a tree budget (none where a drafter found nothing)."""
+        groups: dict[int, tuple[Drafter, list[ScheduledSequence]]] = {}
+        for s in scheduled:
+            if s.tree_budget and s.seq.drafter is not None:
+                groups.setdefault(id(s.seq.drafter), (s.seq.drafter, []))[1].append(s)
+        start = time.perf_counter()
+        drafts: dict[int, Draft] = {}
+        for drafter, group in groups.values():
+            proposed = drafter.propose([
+                DraftRequest(s.seq.seq_id, s.seq.token_ids, max_nodes=s.tree_budget, max_depth=s.tree_budget)
+                for s in group
+            ])
+            for s, draft in zip(group, proposed, strict=True):
+                if draft.tree.tokens[0] != s.seq.token_ids[-1] or draft.num_drafted > s.tree_budget:
+                    raise RuntimeError(f"drafter {drafter.spec!r} broke its contract: a tree must be rooted at the "
+                                       f"last token and hold at most {s.tree_budget} drafted nodes")
+                if draft.num_drafted:
+                    drafts[s.seq.seq_id] = draft
+        self.metrics.draft_s += time.perf_counter() - start
+        return drafts
+
+    def _tree_request(self, s: ScheduledSequence, draft: Draft | None) -> TreeRequest:
+        table = s.seq.block_table.block_ids
+        if draft is not None:  # root = the sequence's last token, then the drafted nodes: logits for all
+            return TreeRequest(draft.tree, s.context_len, table, "all")
+        return TreeRequest(s.tree(), s.context_len, table, "last" if s.samples else "none")
+
+    def _verify(
+        self, speculated: list[tuple[ScheduledSequence, Draft, torch.Tensor]]
+    ) -> list[tuple[ScheduledSequence, Draft, torch.Tensor, Verdict]]:
+        """Verify every tree, then move all accepted K/V into place in one compaction."""
+        start = time.perf_counter()
+        src: list[int] = []
+        dst: list[int] = []
+        verified = []
+        for s, draft, logits in speculated:
+            verdict = verify(draft.tree, logits, s.seq.sampling_row(), draft.probs)
+            moves = compaction_slots(s.seq.block_table.block_ids, s.context_len, verdict.path,
+                                     self.block_manager.block_size)
+            src += moves[0]
+            dst += moves[1]
+            verified.append((s, draft, logits, verdict))
+        self.kv_cache.compact(src, dst)
+        self.metrics.verify_s += time.perf_counter() - start
+        return verified
+
+    def _commit_speculated(
+        self, s: ScheduledSequence, draft: Draft, logits: torch.Tensor, verdict: Verdict
+    ) -> tuple[str, list[int]]:
+        """Emit the accepted tokens and the bonus token (a stop or max_tokens may cut them short)."""
+        seq = s.seq
+        seq.num_computed += len(verdict.path)  # the root and the accepted nodes, now contiguous
+        seq.num_forwarded_tokens += len(draft.tree)
+        seq.spec.record(draft.num_drafted, verdict.num_accepted)
+        self.metrics.spec.record(draft.num_drafted, verdict.num_accepted)
+        text, emitted = "", []
+        for node, token in zip(verdict.path, verdict.tokens, strict=True):
+            text += self._append(seq, logits[node], token)
+            emitted.append(token)
+            if seq.is_finished:
+                return text, emitted
+        self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed)
+        self.block_manager.trim(seq.block_table, seq.num_computed + 1)  # rejected nodes' blocks go back
+        return text, emitted
+
+    # -- outputs ----------------------------------------------------------------------------------
 
     def _append(self, seq: Sequence, logits: torch.Tensor, token: int) -> str:
         if seq.logprobs is not None:
@@ -179,9 +286,14 @@ class LLMEngine:
             seq.cumulative_logprob += logprob
         delta = seq.append(token)
         if seq.finish_reason is not None:
-            seq.finish_time = time.perf_counter()
-            self.scheduler.finish(seq)
+            self._finish(seq)
         return delta
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        if seq.drafter is not None:
+            seq.drafter.release(seq.seq_id)
 
     def _output(self, request: _Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
         outputs = [completion_output(seq, *deltas.get(seq.index, ("", []))) for seq in request.seqs]
@@ -195,6 +307,17 @@ class LLMEngine:
         """Every KV block is free, in the prefix cache, or held by a live sequence (tests call this)."""
         live = [s.block_table for r in self.requests.values() for s in r.seqs if not s.is_finished]
         self.block_manager.check_invariants(live)
+
+
+@dataclass
+class EngineMetrics:
+    """Engine-wide counters since start: speculation totals and where speculative steps spend time."""
+
+    steps: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+    draft_s: float = 0.0  # drafters proposing trees
+    target_s: float = 0.0  # target forwards of steps that verified at least one tree
+    verify_s: float = 0.0  # walking the trees and compacting accepted K/V
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator | None:

@@ -25,14 +25,13 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         **engine_options,
     ):
-        """`target`: a known model name, an HF directory or a .gguf file. `engine_options` are
-        `EngineConfig` fields (block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, ...)."""
-        if draft not in (None, "none"):
-            raise ValueError(f"draft={draft!r}: speculative decoding is not in this version yet; "
-                             "leave draft unset (or 'none')")
+        """`target`: a known model name, an HF directory or a .gguf file. `draft`: a drafter spec
+        (`ngram`, `none`, ...; see `drafters.spec`). `engine_options` are `EngineConfig` fields
+        (block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, max_tree_tokens, ...)."""
         from specserve.pull import resolve_model
 
-        self.engine = LLMEngine(resolve_model(target), dtype=dtype, config=EngineConfig(**engine_options))
+        config = EngineConfig(**engine_options, **({} if draft is None else {"draft": draft}))
+        self.engine = LLMEngine(resolve_model(target), dtype=dtype, config=config)
         self.tokenizer = self.engine.tokenizer
         self._ids = count()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.sequence import Sequence, TokenLogprob
+from specserve.sequence import Sequence, SpecStats, TokenLogprob
 
 
 @dataclass
@@ -31,6 +31,7 @@ class RequestMetrics:
     num_cached_tokens: int  # prompt tokens taken from the prefix cache (sample 0)
     num_computed_tokens: int  # tokens put through the model for this request, all samples
     num_preemptions: int
+    spec: SpecStats = field(default_factory=SpecStats)  # speculation, all samples together
 
     @property
     def ttft_s(self) -> float | None:
@@ -71,4 +72,12 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
         num_cached_tokens=seqs[0].num_cached_tokens,
         num_computed_tokens=sum(s.num_forwarded_tokens for s in seqs),
         num_preemptions=sum(s.num_preemptions for s in seqs),
+        spec=_total_spec(seqs),
     )
+
+
+def _total_spec(seqs: list[Sequence]) -> SpecStats:
+    total = SpecStats()
+    for seq in seqs:
+        total.add(seq.spec)
+    return total

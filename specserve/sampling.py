@@ -22,6 +22,31 @@ import torch
 
 
 @dataclass
+class SpeculationParams:
+    """A request's say in speculation (the server's `speculation` field has the same keys)."""
+
+    enabled: bool = True
+    drafter: str | None = None  # a drafter spec string (see `drafters.spec`); None: the engine's drafter
+    max_tree_tokens: int | None = None  # drafted nodes per step at most; None: the engine's setting
+
+    def __post_init__(self) -> None:
+        if self.max_tree_tokens is not None and self.max_tree_tokens < 0:
+            raise ValueError(f"speculation.max_tree_tokens must be >= 0, got {self.max_tree_tokens}")
+
+    @classmethod
+    def coerce(cls, value: SpeculationParams | dict | None) -> SpeculationParams | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculation must be an object like {{'enabled': true, 'drafter': 'ngram', "
+                             f"'max_tree_tokens': 8}}, got {value!r}")
+        unknown = set(value) - {"enabled", "drafter", "max_tree_tokens"}
+        if unknown:
+            raise ValueError(f"speculation has unknown keys {sorted(unknown)}: use enabled, drafter, max_tree_tokens")
+        return cls(**value)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -37,6 +62,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top alternatives to return with each token's logprob
+    speculation: SpeculationParams | dict | None = None  # None: the engine's drafter and tree budget
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,6 +80,7 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.speculation = SpeculationParams.coerce(self.speculation)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]

@@ -78,11 +78,16 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         wanted: dict[Sequence, int] = {}
-        # Decodes first, then prompt chunks (oldest first) from what is left of the budget.
+        trees: dict[Sequence, int] = {}
+        # Decodes first, then their drafted trees, then prompt chunks (oldest first) from what is left.
         for seq in self.running:
             if seq.num_uncomputed == 1:
                 wanted[seq] = 1
                 budget -= 1
+        for seq in self.running:
+            if seq in wanted and seq.drafter is not None and budget > 0:
+                trees[seq] = min(self._tree_budget(seq), budget)
+                budget -= trees[seq]
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
                 wanted[seq] = min(seq.num_uncomputed, budget)
@@ -95,11 +100,27 @@ class Scheduler:
                 continue
             if self._reserve(seq, wanted[seq], plan):
                 plan.scheduled.append(ScheduledSequence(seq, seq.num_computed, wanted[seq]))
-        budget += sum(wanted[s] for s in plan.preempted if s in wanted)
+        for s in plan.scheduled:  # trees only from blocks nobody's next token needs
+            s.tree_budget = self._reserve_tree(s.seq, trees.get(s.seq, 0))
+        budget = self.config.max_num_batched_tokens - plan.num_batched_tokens  # what preemption freed
 
         if not plan.preempted:  # under memory pressure, admit nobody new
             self._admit(plan, budget)
         return plan
+
+    def _tree_budget(self, seq: Sequence) -> int:
+        """Drafted nodes this sequence may verify this step: its cap, and no deeper than the
+        tokens it may still emit (the bonus token always comes on top)."""
+        return max(0, min(seq.max_tree_tokens, seq.num_remaining_tokens - 1))
+
+    def _reserve_tree(self, seq: Sequence, tree: int) -> int:
+        """Slots for a drafted tree if the pool has them now; speculation never preempts anyone."""
+        if tree:
+            try:
+                self.blocks.ensure_slots(seq.block_table, seq.num_computed + 1 + tree)
+            except NoFreeBlocks:
+                return 0
+        return tree
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Blocks for `seq`'s next tokens, preempting newer sequences; False if `seq` itself was preempted."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafters.base import Drafter
 from specserve.block_manager import BlockTable
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams, SamplingRow
@@ -31,6 +32,39 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: dict[int, float]
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one sequence (summed over samples in a request's metrics)."""
+
+    verify_steps: int = 0  # target forwards that verified a drafted tree
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # drafted tokens the target accepted (bonus tokens not counted)
+    accepted_at_depth: list[int] = field(default_factory=list)  # [d]: steps that accepted >= d + 1 tokens
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if accepted > len(self.accepted_at_depth):
+            self.accepted_at_depth += [0] * (accepted - len(self.accepted_at_depth))
+        for depth in range(accepted):
+            self.accepted_at_depth[depth] += 1
+
+    def add(self, other: SpecStats) -> None:
+        self.verify_steps += other.verify_steps
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        for depth, count in enumerate(other.accepted_at_depth):
+            if depth == len(self.accepted_at_depth):
+                self.accepted_at_depth.append(0)
+            self.accepted_at_depth[depth] += count
+
+    @property
+    def mean_accepted_tokens(self) -> float | None:
+        """MAT: tokens emitted per verifying target forward (accepted + the bonus token)."""
+        return None if not self.verify_steps else (self.accepted_tokens + self.verify_steps) / self.verify_steps
 
 
 @dataclass(eq=False)
@@ -59,6 +93,10 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
     num_forwarded_tokens: int = 0  # tokens this sequence put through the model (recomputation included)
     num_preemptions: int = 0
+    # speculation, decided when the request is added
+    drafter: Drafter | None = None
+    max_tree_tokens: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -73,6 +111,11 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens still to put through the model before this sequence can sample again."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens this sequence may still emit before max_tokens."""
+        return self.params.max_tokens - len(self.output_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -47,15 +47,22 @@ class TokenTree:
         return cls((int(token),), (-1,))
 
     @classmethod
-    def from_paths(cls, root: int, paths: Sequence[Sequence[int]]) -> TokenTree:
-        """Merge token paths hanging off `root` into one tree, sharing common prefixes."""
+    def from_paths(cls, root: int, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> TokenTree:
+        """Merge token paths hanging off `root` into one tree, sharing common prefixes.
+
+        With `max_nodes`, paths are taken in order until the tree has that many nodes besides
+        the root; the path that does not fit is cut short.
+        """
         tokens, parents = [int(root)], [-1]
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        limit = len(tokens) + (max_nodes if max_nodes is not None else sum(len(p) for p in paths))
         for path in paths:
             node = 0
             for tok in path:
                 key = (node, int(tok))
                 if key not in children:
+                    if len(tokens) >= limit:
+                        break
                     children[key] = len(tokens)
                     tokens.append(int(tok))
                     parents.append(node)

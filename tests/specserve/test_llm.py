@@ -91,9 +91,9 @@ def test_top_level_exports():
     assert specserve.LLM is LLM and specserve.SamplingParams is SamplingParams
 
 
-def test_a_draft_is_refused_until_speculation_lands(smollm2_path):
-    with pytest.raises(ValueError, match="speculative decoding is not in this version"):
-        LLM(target=str(smollm2_path), draft="ngram")
+def test_a_bad_draft_spec_is_refused_before_loading(smollm2_path):
+    with pytest.raises(ValueError, match="'none' cannot be combined"):
+        LLM(target=str(smollm2_path), draft="ngram+none")
 
 
 def test_mismatched_sampling_params_are_refused(llm):

@@ -1,0 +1,52 @@
+"""Drafter spec strings: one syntax for `--draft`, `LLM(draft=...)`, YAML configs and requests.
+
+    none                   speculation off
+    ngram                  prompt lookup (no weights)
+    early-exit[:K]         the target's first K layers + its norm and LM head
+    NAME or PATH           a draft model sharing the target's tokenizer
+    A+B                    several drafters, their trees merged into one
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KNOWN_KINDS = ("none", "ngram", "early-exit")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    kind: str  # "ngram", "early-exit" or "model"
+    arg: str | None = None  # early-exit: layers; model: name or path
+
+    def __str__(self) -> str:
+        if self.kind == "model":
+            return str(self.arg)
+        return self.kind if self.arg is None else f"{self.kind}:{self.arg}"
+
+
+def parse_spec(spec: str | None) -> list[DrafterSpec]:
+    """The drafters a spec names, in order ([] for `none`). Raises ValueError saying what to write."""
+    text = (spec or "none").strip()
+    if text.lower() == "none":
+        return []
+    parts = [p.strip() for p in text.split("+")]
+    if any(not p for p in parts):
+        raise ValueError(f"drafter spec {spec!r} has an empty part: join drafters with '+', e.g. ngram+early-exit:6")
+    return [_parse_part(p, spec) for p in parts]
+
+
+def _parse_part(part: str, spec: str) -> DrafterSpec:
+    kind, _, arg = part.partition(":")
+    kind = kind.lower()
+    if kind == "none":
+        raise ValueError(f"drafter spec {spec!r}: 'none' cannot be combined with other drafters")
+    if kind == "ngram":
+        if arg:
+            raise ValueError(f"drafter spec {spec!r}: ngram takes no argument")
+        return DrafterSpec("ngram")
+    if kind == "early-exit":
+        if arg and not (arg.isdigit() and int(arg) > 0):
+            raise ValueError(f"drafter spec {spec!r}: early-exit:K needs a positive number of layers K")
+        return DrafterSpec("early-exit", arg or None)
+    return DrafterSpec("model", part)
