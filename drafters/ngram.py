@@ -54,6 +54,11 @@ class NgramDrafter(Drafter):
         index = self._indexes.setdefault(request.seq_id, _Index())
         index.extend(tokens, self.sizes)
         paths = self._continuations(tokens, index, request.max_depth)
+        if len(paths) > 1:
+            # The best match runs deepest, but not so deep that no alternative gets a node: at
+            # least half the budget for it, the rest for the other matches' first tokens onwards.
+            budget = request.max_nodes
+            paths[0] = paths[0][: max(-(-budget // 2), budget - (len(paths) - 1))]
         return Draft(TokenTree.from_paths(tokens[-1], paths, max_nodes=request.max_nodes))
 
     def _continuations(self, tokens: Sequence[int], index: _Index, depth: int) -> list[list[int]]:

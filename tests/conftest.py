@@ -83,3 +83,35 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.fixture
 def chi_square():
     return chi_square_p_value
+
+
+def chi_square_two_sample_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Chi-square test of homogeneity: were counts `a` and `b` drawn from one distribution?
+
+    Outcomes expected fewer than 5 times in either sample are pooled into one bin.
+    """
+    a, b = a.double().flatten(), b.double().flatten()
+    total = a + b
+    expected_a = total * a.sum() / total.sum()
+    expected_b = total * b.sum() / total.sum()
+    small = (expected_a < 5) | (expected_b < 5)
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum()[None]])
+        b = torch.cat([b[~small], b[small].sum()[None]])
+        expected_a = torch.cat([expected_a[~small], expected_a[small].sum()[None]])
+        expected_b = torch.cat([expected_b[~small], expected_b[small].sum()[None]])
+    keep = (expected_a > 0) & (expected_b > 0)
+    chi2 = sum(((o - e)[keep] ** 2 / e[keep]).sum() for o, e in ((a, expected_a), (b, expected_b)))
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), chi2 / 2))
+
+
+@pytest.fixture
+def chi_square_two_sample():
+    return chi_square_two_sample_p_value
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint():
+    """`save_tiny_checkpoint` for fixtures wider than one test (module or session scope)."""
+    return save_tiny_checkpoint

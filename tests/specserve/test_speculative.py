@@ -1,0 +1,228 @@
+"""Speculative decoding inside the continuous batcher is lossless.
+
+Greedy: the same tokens as without speculation, prompt by prompt, for 52 Spec-Bench questions
+run as one batch (and under preemption). Sampling: the same distribution (chi-square over
+20,000 draws), and a broken verifier is caught by the same test. Stops, max_tokens and EOS
+that fall inside an accepted run cut it exactly there; per-request settings are honoured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafters import Drafter
+from specserve import verify as verify_module
+from specserve.config import EngineConfig
+from specserve.engine import LLMEngine
+from specserve.kv_cache import KVCache
+from specserve.sampling import SamplingParams
+
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "spec_bench_52.jsonl"
+
+
+def make_engine(path, **options) -> LLMEngine:
+    return LLMEngine(path, dtype="float32", config=EngineConfig(**options))
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params, check: bool = True) -> list:
+    """All prompts submitted at once; outputs in prompt order; invariants checked every step."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), ids, p)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if check:
+                engine.check_invariants()
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def tokens_of(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+# -- greedy on the real SmolLM2 ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_bench(smollm2_path):
+    """52 chat-formatted Spec-Bench questions (4 per category) and their non-speculative greedy output."""
+    engine = make_engine(smollm2_path, kv_cache_memory="256MiB")
+    questions = [json.loads(line) for line in PROMPTS_FILE.read_text().splitlines()]
+    prompts = [engine.encode(q["prompt"], chat=True) for q in questions]
+    reference = tokens_of(run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=32)))
+    return prompts, reference, {q["category"] for q in questions}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["one-batch", "preemption"])
+def test_greedy_speculation_equals_plain_decoding(smollm2_path, spec_bench, case):
+    prompts, reference, categories = spec_bench
+    assert len(prompts) >= 40 and len(categories) == 13
+    options: dict = dict(draft="ngram", kv_cache_memory="256MiB")
+    if case == "preemption":  # room for the longest sequence and a little more
+        per_block = KVCache.bytes_per_block(make_engine(smollm2_path, kv_cache_memory="1MiB").model.config, 16,
+                                            torch.float32)
+        longest = max(len(p) for p in prompts) + 32
+        options["kv_cache_memory"] = per_block * (longest // 16 + 12)
+    outputs = run_batch(make_engine(smollm2_path, **options), prompts, SamplingParams(temperature=0, max_tokens=32))
+    for i, (got, want) in enumerate(zip(tokens_of(outputs), reference, strict=True)):
+        assert got == want, f"prompt {i}: speculative output differs"
+    accepted = sum(o.metrics.spec.accepted_tokens for o in outputs)
+    assert accepted > 0, "the n-gram drafter should have had drafts accepted"
+    if case == "preemption":
+        assert sum(o.metrics.num_preemptions for o in outputs) > 0
+
+
+# -- sampling on a tiny random model with a small vocabulary -------------------------------------
+
+VOCAB = 8
+# Repeats "5 1 x": the n-gram drafter proposes several continuations after "5 1" (a branching tree).
+PATTERN_PROMPT = [5, 1, 2, 5, 1, 3, 5, 1, 4, 6, 5, 1]
+
+
+def de_bruijn_pairs(k: int) -> list[int]:
+    """A sequence holding every pair of k symbols once: whatever token comes next, the n-gram
+    drafter finds it followed by several different tokens, so its trees branch at the root."""
+    sequence, seen = [0], set()
+    while len(seen) < k * k:
+        last = sequence[-1]
+        nxt = next((b for b in reversed(range(k)) if (last, b) not in seen), None)
+        if nxt is None:
+            break
+        seen.add((last, nxt))
+        sequence.append(nxt)
+    return sequence
+
+
+BRANCHING_PROMPT = de_bruijn_pairs(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory, smollm2_path, make_tiny_checkpoint):
+    """A tiny random Llama over 8 tokens (peaked logits), with a tokenizer the engine can load."""
+    import shutil
+
+    directory = make_tiny_checkpoint(tmp_path_factory.mktemp("vocab8"), vocab_size=VOCAB, initializer_range=0.3,
+                                     eos_token_id=7, bos_token_id=0)
+    shutil.copy(smollm2_path / "tokenizer.json", directory / "tokenizer.json")
+    shutil.copy(smollm2_path / "tokenizer_config.json", directory / "tokenizer_config.json")
+    return directory
+
+
+class RecordingDrafter(Drafter):
+    """Wraps a drafter and remembers the widest tree it proposed."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.spec, self.max_children = inner, inner.spec, 0
+
+    def propose(self, requests):
+        drafts = self.inner.propose(requests)
+        for draft in drafts:
+            self.max_children = max(self.max_children, *(len(c) for c in draft.tree.children))
+        return drafts
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
+
+
+def first_three(path, draft: str, params: SamplingParams, draws: int) -> tuple[torch.Tensor, LLMEngine]:
+    """Counts of the first three generated tokens over `draws` seeded requests (each generates
+    four, so the trees verified after the first token have room to branch or go deep)."""
+    engine = make_engine(path, draft=draft, max_num_seqs=256, max_num_batched_tokens=1024, kv_cache_memory="64MiB")
+    if engine.drafter is not None:
+        engine.drafter = RecordingDrafter(engine.drafter)
+    counts = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
+    batch = 2000
+    for first in range(0, draws, batch):
+        seeded = [SamplingParams(**{**vars(params), "seed": first + i, "speculation": None})
+                  for i in range(min(batch, draws - first))]
+        for out in run_batch(engine, [BRANCHING_PROMPT] * len(seeded), seeded, check=False):
+            counts[tuple(out.outputs[0].token_ids[:3])] += 1
+    return counts, engine
+
+
+SAMPLING = {
+    "T=1": SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+    "top_p=0.8": SamplingParams(temperature=1.0, top_p=0.8, max_tokens=4, ignore_eos=True),
+}
+_plain_counts: dict[str, torch.Tensor] = {}
+
+
+def plain_counts(path, case: str) -> torch.Tensor:
+    """Without speculation (computed once per case for the tests that compare against it)."""
+    if case not in _plain_counts:
+        _plain_counts[case] = first_three(path, "none", SAMPLING[case], 20_000)[0]
+    return _plain_counts[case]
+
+
+@pytest.mark.parametrize("case", list(SAMPLING))
+def test_sampled_speculation_has_the_same_distribution(small_vocab_model, case, chi_square_two_sample):
+    speculative, engine = first_three(small_vocab_model, "ngram", SAMPLING[case], 20_000)
+    spec = engine.metrics.spec
+    assert spec.verify_steps > 1000 and spec.accepted_tokens > 0
+    if case == "T=1":
+        assert len(spec.accepted_at_depth) > 1, "some steps accept a run of two drafted tokens"
+    assert engine.drafter.max_children >= 2, "the verified trees branch"
+    p_value = chi_square_two_sample(plain_counts(small_vocab_model, case), speculative)
+    assert p_value > 0.01, f"{case}: speculative sampling changed the distribution (p = {p_value:.2e})"
+
+
+def test_a_verifier_that_always_accepts_is_caught(small_vocab_model, chi_square_two_sample, monkeypatch):
+    plain = plain_counts(small_vocab_model, "T=1")
+    params = SAMPLING["T=1"]
+    monkeypatch.setattr(verify_module, "accept_probability", lambda p_x, q_x: 1.0)
+    broken, _ = first_three(small_vocab_model, "ngram", params, 20_000)
+    assert chi_square_two_sample(plain, broken) < 0.01
+
+
+# -- stops inside an accepted run, per-request settings -------------------------------------------
+
+
+def test_stops_and_max_tokens_cut_an_accepted_run_exactly(small_vocab_model):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    (plain,) = tokens_of(run_batch(make_engine(small_vocab_model), [PATTERN_PROMPT], greedy))
+    engine = make_engine(small_vocab_model, draft="ngram")
+    (spec,) = tokens_of(run_batch(engine, [PATTERN_PROMPT], greedy))
+    assert spec == plain and engine.metrics.spec.accepted_tokens > 0
+    # a stop token first emitted at position k ends the output right there
+    stop = next(t for t in plain[3:] if t not in plain[:3])
+    cut = plain.index(stop) + 1
+    stopped = run_batch(engine, [PATTERN_PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                                 stop_token_ids=[stop]))[0].outputs[0]
+    assert list(stopped.token_ids) == plain[:cut] and stopped.finish_reason == "stop"
+    for max_tokens in (1, 2, 5):
+        short = run_batch(engine, [PATTERN_PROMPT], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                   ignore_eos=True))[0].outputs[0]
+        assert list(short.token_ids) == plain[:max_tokens] and short.finish_reason == "length"
+
+
+def test_requests_choose_their_own_speculation(small_vocab_model):
+    engine = make_engine(small_vocab_model, draft="ngram")
+    off, capped, default = run_batch(engine, [PATTERN_PROMPT] * 3, [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculation={"enabled": False}),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculation={"max_tree_tokens": 1}),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ])
+    assert off.metrics.spec.verify_steps == 0
+    assert capped.metrics.spec.drafted_tokens <= capped.metrics.spec.verify_steps
+    assert default.metrics.spec.verify_steps > 0
+    assert tokens_of([off]) == tokens_of([capped]) == tokens_of([default])
+    plain = make_engine(small_vocab_model)
+    chosen = run_batch(plain, [PATTERN_PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                              speculation={"drafter": "ngram"}))[0]
+    assert chosen.metrics.spec.verify_steps > 0 and tokens_of([chosen]) == tokens_of([default])
+
+
+def test_bad_speculation_fields_say_what_to_send():
+    with pytest.raises(ValueError, match="unknown keys"):
+        SamplingParams(speculation={"enable": True})
+    with pytest.raises(ValueError, match="max_tree_tokens must be >= 0"):
+        SamplingParams(speculation={"max_tree_tokens": -1})
