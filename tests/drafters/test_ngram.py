@@ -1,0 +1,71 @@
+"""Prompt lookup proposes what followed the sequence's last tokens earlier, within the budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from drafters.base import DraftRequest
+from drafters.merge import MergedDrafter, tree_paths
+from drafters.ngram import NgramDrafter
+
+
+def propose(drafter, tokens, max_nodes=8, max_depth=8, seq_id=0):
+    return drafter.propose([DraftRequest(seq_id, tokens, max_nodes, max_depth)])[0].tree
+
+
+def test_the_longest_match_continues_as_a_chain():
+    tokens = [7, 1, 2, 3, 4, 5, 9, 2, 3]  # "2 3" was followed by "4 5 9"
+    tree = propose(NgramDrafter(), tokens, max_nodes=3, max_depth=3)
+    assert tree.tokens == (3, 4, 5, 9) and tree.is_chain
+
+
+def test_several_matches_branch_and_share_prefixes():
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 3 and by 4
+    tree = propose(NgramDrafter(), tokens, max_nodes=4, max_depth=2)
+    roots_children = {tree.tokens[c] for c in tree.children[0]}
+    assert roots_children == {3, 4}  # most recent match (4) first, then 3
+    assert tree.tokens[1] == 4
+
+
+def test_nothing_to_propose_without_a_match():
+    tree = propose(NgramDrafter(), [1, 2, 3, 4])
+    assert len(tree) == 1 and tree.tokens == (4,)
+
+
+@pytest.mark.parametrize("max_nodes, max_depth", [(0, 5), (1, 5), (3, 1), (5, 2), (16, 16)])
+def test_budget_and_depth_are_respected(max_nodes, max_depth):
+    rng = random.Random(max_nodes * 31 + max_depth)
+    tokens = [rng.randrange(4) for _ in range(200)]
+    tree = propose(NgramDrafter(), tokens, max_nodes, max_depth)
+    assert len(tree) - 1 <= max_nodes and max(tree.depths) <= max_depth
+    assert tree.tokens[0] == tokens[-1]
+
+
+def test_incremental_index_equals_a_fresh_one():
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(30)]
+    incremental = NgramDrafter()
+    for length in range(2, len(tokens)):
+        grown = propose(incremental, tokens[:length], seq_id=1)
+        fresh = propose(NgramDrafter(), tokens[:length], seq_id=1)
+        assert (grown.tokens, grown.parents) == (fresh.tokens, fresh.parents)
+
+
+def test_release_forgets_a_sequence():
+    drafter = NgramDrafter()
+    propose(drafter, [1, 2, 1, 2], seq_id=5)
+    drafter.release(5)
+    assert 5 not in drafter._indexes
+
+
+def test_merge_keeps_the_first_tree_whole_and_dedupes():
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2]
+    merged = MergedDrafter([NgramDrafter(), NgramDrafter(max_ngram=1)])
+    tree = merged.propose([DraftRequest(0, tokens, 6, 3)])[0].tree
+    first = propose(NgramDrafter(), tokens, 6, 3)
+    assert set(map(tuple, tree_paths(first))) <= {tuple(tree.path_tokens(i)[1:]) for i in range(len(tree))}
+    for kids in tree.children:  # no duplicate siblings
+        assert len({tree.tokens[k] for k in kids}) == len(kids)
+    assert merged.spec == "ngram+ngram"
