@@ -69,7 +69,9 @@ def tree_attention(
     scale: float,
 ) -> torch.Tensor:
     """The one attention entry point: write the step's K/V, then attend under the tree mask."""
-    return _implementation(q.device).tree_attention(q, k, v, k_cache, v_cache, meta, scale)
+    implementation = _implementation(q.device)
+    implementation.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return implementation.paged_tree_attention(q, k_cache, v_cache, meta, scale)
 
 
 def compact_kv(cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

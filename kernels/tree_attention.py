@@ -386,20 +386,6 @@ def write_kv(
     )
 
 
-def tree_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write the step's K/V, then attend under the tree mask: both on the Triton kernels."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return paged_tree_attention(q, k_cache, v_cache, meta, scale)
-
-
 # -- KV compaction after acceptance ------------------------------------------------------
 
 

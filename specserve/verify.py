@@ -76,7 +76,8 @@ def verify(
             p = _residual(p, q, x)
             if q is not None:
                 q[x] = 0
-                q = q / q.sum() if q.sum() > 0 else q
+                total = q.sum()
+                q = q / total if total > 0 else q
         if accepted is None:
             bonus = int(p.argmax()) if row.params.greedy else int(torch.multinomial(p, 1, generator=row.generator))
             return Verdict(path, [*tokens, bonus])
