@@ -8,18 +8,38 @@ where children were sampled) per request out. `build_drafter` turns a spec strin
 
 from __future__ import annotations
 
-from drafters.base import Draft, Drafter, DraftRequest
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from drafters.base import Draft, Drafter, DraftRequest, DraftTarget
 from drafters.spec import DrafterSpec, parse_spec
 
-__all__ = ["Draft", "Drafter", "DraftRequest", "DrafterSpec", "build_drafter", "parse_spec"]
+__all__ = ["Draft", "Drafter", "DraftRequest", "DraftTarget", "DrafterOptions", "DrafterSpec", "build_drafter",
+           "parse_spec"]
 
 
-def build_drafter(spec: str | None) -> Drafter | None:
-    """The drafter a spec string names (None for `none`)."""
+@dataclass
+class DrafterOptions:
+    """How model drafters grow trees (see `drafters.tree_search`) and load weights."""
+
+    top_k: int = 4  # children per expanded node
+    beam: int = 4  # nodes expanded per draft forward; top_k = beam = 1 drafts a chain
+    dtype: str | torch.dtype | None = None  # draft model weights (default: the target's)
+
+
+
+
+def build_drafter(spec: str | None, options: DrafterOptions | None = None,
+                  build_part: Callable[[DrafterSpec], Drafter] | None = None) -> Drafter | None:
+    """The drafter a spec string names (None for `none`). `build_part` builds each part (the
+    engine passes one that reuses loaded draft models); by default `build_part_drafter`."""
     parts = parse_spec(spec)
     if not parts:
         return None
-    drafters = [_build_one(p) for p in parts]
+    options = options or DrafterOptions()
+    drafters = [(build_part or (lambda p: build_part_drafter(p, options)))(p) for p in parts]
     if len(drafters) == 1:
         return drafters[0]
     from drafters.merge import MergedDrafter
@@ -27,10 +47,16 @@ def build_drafter(spec: str | None) -> Drafter | None:
     return MergedDrafter(drafters)
 
 
-def _build_one(part: DrafterSpec) -> Drafter:
+def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
+    """One drafter of a spec: n-gram lookup, early exit or a draft model (loaded here)."""
     if part.kind == "ngram":
         from drafters.ngram import NgramDrafter
 
         return NgramDrafter()
-    raise ValueError(f"drafter {str(part)!r}: only 'ngram' (and 'none') are available in this version; "
-                     "draft models and early exit are being built")
+    if part.kind == "early-exit":
+        from drafters.early_exit import EarlyExitDrafter
+
+        return EarlyExitDrafter(None if part.arg is None else int(part.arg), options.top_k, options.beam)
+    from drafters.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter.load(str(part.arg), options.dtype, options.top_k, options.beam)

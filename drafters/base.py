@@ -5,10 +5,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.tree import TokenTree
+
+if TYPE_CHECKING:
+    from specserve.model_runner import ModelRunner
 
 
 @dataclass
@@ -19,6 +23,11 @@ class DraftRequest:
     token_ids: Sequence[int]  # prompt + output; the last token is the tree's root (not yet in the cache)
     max_nodes: int  # drafted nodes allowed besides the root
     max_depth: int  # longest root-to-leaf run of drafted nodes
+    # Where the sequence's K/V live: node i of the tree goes to slot len(token_ids) - 1 + i, and
+    # the scheduler reserved slots up to len(token_ids) - 1 + max_nodes (drafters with a cache use them).
+    block_table: Sequence[int] = ()
+    temperature: float = 0.0  # the request's: 0 means propose deterministically (greedy verification)
+    generator: torch.Generator | None = None  # the request's, so seeded requests stay reproducible
 
 
 @dataclass
@@ -45,4 +54,22 @@ class Drafter(ABC):
         """One draft per request, within each request's `max_nodes` and `max_depth`."""
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - stateless drafters need nothing
-        """Forget per-sequence state (the sequence finished or was aborted)."""
+        """Forget per-sequence state (the sequence finished, was aborted or was preempted)."""
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of the drafter's own K/V per block of the shared block tables (0: it has none)."""
+        return 0
+
+    def attach(self, target: DraftTarget) -> None:  # noqa: B027 - drafters without weights need nothing
+        """Called once by the engine when its KV pool exists, before the first `propose`."""
+
+
+@dataclass
+class DraftTarget:
+    """What a drafter may use of the engine it serves: the target's runner (and its KV pool),
+    the pool's size in blocks, and the target's vocabulary (draft distributions are padded to it)."""
+
+    runner: ModelRunner
+    num_blocks: int
+    block_size: int
+    vocab_size: int

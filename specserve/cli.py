@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from specserve.config import DEFAULT_KV_CACHE_MEMORY
+from specserve.config import DEFAULT_KV_CACHE_MEMORY, SPECULATION_MODES, load_config_file
 from specserve.registry import DEFAULT_TARGET, KNOWN_MODELS
 
 
@@ -38,8 +38,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
-    llm = LLM(args.target, draft=args.draft, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_tree_tokens=args.max_tree_tokens)
+    llm = LLM(**engine_settings(args))
     engine = llm.engine
     if not args.json:
         print(f"[KV cache holds {engine.num_kv_tokens} tokens]", file=sys.stderr)
@@ -89,23 +88,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate a completion offline")
     p.add_argument("prompt")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="known name, HF directory or .gguf path")
-    p.add_argument("--draft", default=None, help="drafter spec: ngram, none (default), or several joined by +")
-    p.add_argument("--max-tree-tokens", type=int, default=8, help="drafted tokens per step at most")
+    add_engine_arguments(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
-    p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,
-                   help="KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: bfloat16 where the CPU supports it, else float32")
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text (no chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, tokens_per_s")
     p.set_defaults(func=_cmd_generate)
     return parser
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Model, speculation and memory settings; a --config YAML file sets defaults for them."""
+    p.add_argument("--config", default=None, help="YAML settings file (configs/*.yaml); flags override it")
+    p.add_argument("--target", default=None, help=f"known name, HF directory or .gguf path (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None,
+                   help="drafter spec: ngram, early-exit[:K], a draft model name or path, several joined by +, "
+                        "or none (default)")
+    p.add_argument("--speculation", choices=SPECULATION_MODES, default=None,
+                   help="adaptive (default): tree budgets from measured acceptance and forward cost; "
+                        "fixed: always --max-tree-tokens; off: the plain engine")
+    p.add_argument("--max-tree-tokens", type=int, default=None, help="drafted tokens per request and step at most")
+    p.add_argument("--draft-top-k", type=int, default=None, help="model drafters: children per expanded node")
+    p.add_argument("--draft-beam", type=int, default=None,
+                   help="model drafters: nodes expanded per draft forward (top-k 1 and beam 1: a chain)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help=f"KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2); "
+                        f"default {DEFAULT_KV_CACHE_MEMORY}")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: bfloat16 where the CPU supports it, else float32")
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """`LLM(...)` keyword arguments: the --config file's settings, then the flags given."""
+    settings = load_config_file(args.config) if args.config else {}
+    for name in ("target", "draft", "speculation", "max_tree_tokens", "draft_top_k", "draft_beam",
+                 "kv_cache_memory", "dtype"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    settings.setdefault("target", DEFAULT_TARGET)
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
+SPECULATION_MODES = ("adaptive", "fixed", "off")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -20,6 +22,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
     draft: str = "none"  # drafter spec (see `drafters.spec`): "ngram", "early-exit:6", a model, "a+b", "none"
     max_tree_tokens: int = 8  # drafted nodes per request and step at most
+    draft_top_k: int = 4  # model drafters: children per expanded node (1 with draft_beam 1: a chain)
+    draft_beam: int = 4  # model drafters: nodes expanded per draft forward
+    # "adaptive": each step's tree budgets maximise expected tokens/s under the measured cost
+    # model; "fixed": every speculating request gets its cap; "off": the plain engine.
+    speculation: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -33,6 +40,10 @@ class EngineConfig:
                 f"({self.max_num_seqs}): raise the token budget or lower max_num_seqs")
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0, got {self.max_tree_tokens}")
+        if self.draft_top_k < 1 or self.draft_beam < 1:
+            raise ValueError(f"draft_top_k and draft_beam must be >= 1, got {self.draft_top_k} and {self.draft_beam}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation {self.speculation!r}: use one of {', '.join(SPECULATION_MODES)}")
         from drafters.spec import parse_spec
 
         parse_spec(self.draft)  # a bad spec fails here, before any model loads
@@ -73,3 +84,20 @@ def available_memory() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def load_config_file(path: str | Path) -> dict:
+    """A YAML config (`configs/*.yaml`): `target`, `dtype` and any `EngineConfig` field, with
+    `draft` a drafter spec string. Unknown keys are an error naming the known ones."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file is a mapping of settings (target: ..., draft: ...)")
+    known = {"target", "dtype"} | {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {unknown}; known: {', '.join(sorted(known))}")
+    engine = {k: v for k, v in data.items() if k not in ("target", "dtype")}
+    EngineConfig(**engine)  # validate now, with the file's name in any error
+    return data

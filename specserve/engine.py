@@ -20,7 +20,16 @@ from pathlib import Path
 
 import torch
 
-from drafters import Draft, Drafter, DraftRequest, build_drafter
+from drafters import (
+    Draft,
+    Drafter,
+    DrafterOptions,
+    DrafterSpec,
+    DraftRequest,
+    DraftTarget,
+    build_drafter,
+    build_part_drafter,
+)
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
@@ -32,6 +41,7 @@ from specserve.outputs import RequestOutput, completion_output, request_metrics
 from specserve.sampling import SamplingParams, sample, top_logprobs
 from specserve.scheduler import ScheduledSequence, Scheduler
 from specserve.sequence import Sequence, SpecStats, TokenLogprob
+from specserve.speculation import SpeculationPolicy
 from specserve.verify import Verdict, verify
 
 logger = logging.getLogger("specserve")
@@ -55,19 +65,30 @@ class LLMEngine:
     def __init__(self, model_path: str | Path, dtype: str | torch.dtype | None = None,
                  config: EngineConfig | None = None):
         self.config = config or EngineConfig()
+        self.model_path = Path(model_path)
         self.model = load_model(model_path, dtype)
         self.tokenizer = load_tokenizer(model_path)
         model_config = self.model.config
         block_size = self.config.block_size
+        # Drafters load first: a draft model's K/V share the block tables, so they share the pool.
+        self._draft_options = DrafterOptions(self.config.draft_top_k, self.config.draft_beam, self.model.dtype)
+        self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
+        self._draft_target: DraftTarget | None = None
+        self.drafter = self._build_drafter(self.config.draft, at_start=True)
         per_block = KVCache.bytes_per_block(model_config, block_size, self.model.dtype)
+        per_block += sum(d.kv_bytes_per_block(block_size) for d in self._parts.values())
         num_blocks = self.config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv cache memory of {self.config.kv_cache_bytes} bytes holds no block "
                              f"({per_block} bytes each): raise --kv-cache-memory")
         self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.model.dtype)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.policy = SpeculationPolicy(adaptive=self.config.speculation == "adaptive")
+        self.scheduler = Scheduler(self.config, self.block_manager, self.policy)
         self.runner = ModelRunner(self.model, self.kv_cache)
+        self._draft_target = DraftTarget(self.runner, num_blocks, block_size, model_config.vocab_size)
+        for part in self._parts.values():
+            part.attach(self._draft_target)
         self.num_kv_tokens = num_blocks * block_size
         self.max_model_len = min(self.config.max_model_len or model_config.max_model_len,
                                  model_config.max_model_len, self.num_kv_tokens)
@@ -77,9 +98,10 @@ class LLMEngine:
         self.eos_ids = frozenset(eos)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = count()
-        self.drafter = build_drafter(self.config.draft)
         self._drafters: dict[str, Drafter | None] = {self.config.draft: self.drafter}  # per-request specs
         self.metrics = EngineMetrics()
+        if self.drafter is not None:
+            self._calibrate()
         logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s); max_model_len %d", num_blocks,
                     block_size, self.num_kv_tokens, num_blocks * per_block / 2**20, self.model.dtype,
                     self.max_model_len)
@@ -164,11 +186,17 @@ class LLMEngine:
                                    "requests that cannot fit are rejected when added)")
             return []
         self.metrics.steps += 1
+        for seq in plan.preempted:  # its blocks are gone, and with them any draft K/V
+            if seq.drafter is not None:
+                seq.drafter.release(seq.seq_id)
         drafts = self._propose(plan.scheduled)
         start = time.perf_counter()
         results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled])
+        elapsed = time.perf_counter() - start
+        self.policy.observe_forward(sum(s.num_tokens for s in plan.scheduled)
+                                    + sum(d.num_drafted for d in drafts.values()), elapsed)
         if drafts:
-            self.metrics.target_s += time.perf_counter() - start
+            self.metrics.target_s += elapsed
 
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         plain: list[tuple[ScheduledSequence, torch.Tensor]] = []
@@ -199,6 +227,8 @@ class LLMEngine:
     def _speculation_for(self, params: SamplingParams) -> tuple[Drafter | None, int]:
         """The drafter and tree cap of a new request: the engine's, unless the request says otherwise."""
         spec = params.speculation
+        if self.config.speculation == "off":
+            return None, 0
         if spec is None:
             return self.drafter, self.config.max_tree_tokens
         if not spec.enabled:
@@ -206,10 +236,40 @@ class LLMEngine:
         drafter = self.drafter
         if spec.drafter is not None:
             if spec.drafter not in self._drafters:
-                self._drafters[spec.drafter] = build_drafter(spec.drafter)
+                self._drafters[spec.drafter] = self._build_drafter(spec.drafter, at_start=False)
             drafter = self._drafters[spec.drafter]
         cap = self.config.max_tree_tokens if spec.max_tree_tokens is None else spec.max_tree_tokens
+        if drafter is not None:
+            self._calibrate()
         return drafter, cap
+
+    def _calibrate(self) -> None:
+        """The adaptive policy needs the forward cost curve: cached, or measured once now."""
+        if self.policy.adaptive and self.policy.forward_cost is None:
+            from specserve.cost_model import load_or_measure
+
+            self.policy.forward_cost = load_or_measure(self.runner, self.block_manager,
+                                                       self.config.max_num_batched_tokens, self.model_path)
+
+    def _build_drafter(self, spec: str, at_start: bool) -> Drafter | None:
+        """A drafter for `spec`, reusing parts already built. Draft models load only at start-up,
+        where their K/V are counted into the pool; requests may name them afterwards."""
+        if at_start and self.config.speculation == "off":
+            return None
+
+        def part(p: DrafterSpec) -> Drafter:
+            key = str(p)
+            if key not in self._parts:
+                if p.kind == "model" and not at_start:
+                    raise ValueError(f"draft model {key!r} is not loaded: start the engine with --draft {key} "
+                                     "(or a spec containing it) to use it per request")
+                drafter = build_part_drafter(p, self._draft_options)
+                if self._draft_target is not None:
+                    drafter.attach(self._draft_target)
+                self._parts[key] = drafter
+            return self._parts[key]
+
+        return build_drafter(spec, self._draft_options, part)
 
     def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
         """A draft per sequence the scheduler gave a tree budget (none where a drafter found nothing)."""
@@ -217,11 +277,13 @@ class LLMEngine:
         for s in scheduled:
             if s.tree_budget and s.seq.drafter is not None:
                 groups.setdefault(id(s.seq.drafter), (s.seq.drafter, []))[1].append(s)
-        start = time.perf_counter()
         drafts: dict[int, Draft] = {}
         for drafter, group in groups.values():
+            start = time.perf_counter()
             proposed = drafter.propose([
-                DraftRequest(s.seq.seq_id, s.seq.token_ids, max_nodes=s.tree_budget, max_depth=s.tree_budget)
+                DraftRequest(s.seq.seq_id, s.seq.token_ids, max_nodes=s.tree_budget, max_depth=s.tree_budget,
+                             block_table=s.seq.block_table.block_ids, temperature=s.seq.params.temperature,
+                             generator=s.seq.generator)
                 for s in group
             ])
             for s, draft in zip(group, proposed, strict=True):
@@ -230,7 +292,9 @@ class LLMEngine:
                                        f"last token and hold at most {s.tree_budget} drafted nodes")
                 if draft.num_drafted:
                     drafts[s.seq.seq_id] = draft
-        self.metrics.draft_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.metrics.draft_s += elapsed
+            self.policy.observe_draft(drafter, elapsed, max(s.tree_budget for s in group))
         return drafts
 
     def _tree_request(self, s: ScheduledSequence, draft: Draft | None) -> TreeRequest:
@@ -267,6 +331,7 @@ class LLMEngine:
         seq.num_forwarded_tokens += len(draft.tree)
         seq.spec.record(draft.num_drafted, verdict.num_accepted)
         self.metrics.spec.record(draft.num_drafted, verdict.num_accepted)
+        self.policy.observe_verify(seq.drafter, verdict.num_accepted)
         text, emitted = "", []
         for node, token in zip(verdict.path, verdict.tokens, strict=True):
             text += self._append(seq, logits[node], token)

@@ -26,8 +26,10 @@ class LLM:
         **engine_options,
     ):
         """`target`: a known model name, an HF directory or a .gguf file. `draft`: a drafter spec
-        (`ngram`, `none`, ...; see `drafters.spec`). `engine_options` are `EngineConfig` fields
-        (block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, max_tree_tokens, ...)."""
+        (`ngram`, `early-exit:K`, a draft model, `a+b`, `none`; see `drafters.spec`).
+        `engine_options` are `EngineConfig` fields (speculation, max_tree_tokens, draft_top_k,
+        draft_beam, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory, ...).
+        A YAML file from `configs/` fits as is: `LLM(**load_config_file(path))`."""
         from specserve.pull import resolve_model
 
         config = EngineConfig(**engine_options, **({} if draft is None else {"draft": draft}))

@@ -23,7 +23,8 @@ class TreeRequest:
     tree: TokenTree
     context_len: int
     block_table: Sequence[int]
-    logits: LogitsWanted = "all"  # verification needs every node; a prefill chunk only its last
+    # Verification needs every node, a prefill chunk only its last, a drafter its frontier nodes.
+    logits: LogitsWanted | Sequence[int] = "all"
 
 
 @dataclass
@@ -42,7 +43,9 @@ class ModelRunner:
         return self.kv_cache.block_size
 
     @torch.inference_mode()
-    def forward(self, requests: Sequence[TreeRequest], return_hidden: bool = False) -> list[RequestOutput]:
+    def forward(
+        self, requests: Sequence[TreeRequest], return_hidden: bool = False, num_layers: int | None = None
+    ) -> list[RequestOutput]:
         meta = AttentionMetadata.build(
             [r.tree for r in requests],
             [r.context_len for r in requests],
@@ -51,7 +54,8 @@ class ModelRunner:
         )
         input_ids = torch.tensor([t for r in requests for t in r.tree.tokens], dtype=torch.int64)
         selected, counts = _logits_rows(requests, meta)
-        out = self.model(input_ids, meta, self.kv_cache, logits_indices=selected, return_hidden=return_hidden)
+        out = self.model(input_ids, meta, self.kv_cache, logits_indices=selected, return_hidden=return_hidden,
+                         num_layers=num_layers)
         logits = out.logits.split(counts)
         starts = meta.query_start_loc.tolist()
         return [
@@ -70,7 +74,10 @@ def _logits_rows(requests: Sequence[TreeRequest], meta: AttentionMetadata) -> tu
     starts = meta.query_start_loc.tolist()
     for b, r in enumerate(requests):
         start, end = starts[b], starts[b + 1]
-        wanted = {"all": range(start, end), "last": range(end - 1, end), "none": range(0)}[r.logits]
+        if isinstance(r.logits, str):
+            wanted = {"all": range(start, end), "last": range(end - 1, end), "none": range(0)}[r.logits]
+        else:
+            wanted = [start + node for node in r.logits]
         rows.extend(wanted)
         counts.append(len(wanted))
     return torch.tensor(rows, dtype=torch.int64), counts

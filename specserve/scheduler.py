@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from specserve.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from specserve.config import EngineConfig
 from specserve.sequence import Sequence, SequenceStatus
+from specserve.speculation import SpeculationPolicy
 from specserve.tree import TokenTree
 
 
@@ -53,9 +54,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SpeculationPolicy | None = None):
         self.config = config
         self.blocks = block_manager
+        self.policy = policy or SpeculationPolicy(adaptive=False)  # tree budgets: see specserve.speculation
         self.waiting: deque[Sequence] = deque()  # oldest first; preempted sequences go back to the front
         self.running: list[Sequence] = []  # in arrival (seq_id) order
 
@@ -78,16 +80,15 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         wanted: dict[Sequence, int] = {}
-        trees: dict[Sequence, int] = {}
         # Decodes first, then their drafted trees, then prompt chunks (oldest first) from what is left.
         for seq in self.running:
             if seq.num_uncomputed == 1:
                 wanted[seq] = 1
                 budget -= 1
-        for seq in self.running:
-            if seq in wanted and seq.drafter is not None and budget > 0:
-                trees[seq] = min(self._tree_budget(seq), budget)
-                budget -= trees[seq]
+        prompt_tokens = min(budget, sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1))
+        caps = {seq: self._tree_budget(seq) for seq in wanted if seq.drafter is not None}
+        trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget) if caps else {}
+        budget -= sum(trees.values())
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
                 wanted[seq] = min(seq.num_uncomputed, budget)

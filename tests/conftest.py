@@ -115,3 +115,35 @@ def chi_square_two_sample():
 def make_tiny_checkpoint():
     """`save_tiny_checkpoint` for fixtures wider than one test (module or session scope)."""
     return save_tiny_checkpoint
+
+
+def truncate_checkpoint(source: Path, directory: Path, num_layers: int) -> Path:
+    """A copy of an HF checkpoint keeping only its first `num_layers` layers (plus embeddings,
+    final norm, LM head and tokenizer): a cheap draft model that shares the source's tokenizer."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, directory / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (directory / "config.json").write_text(json.dumps(config))
+    for file in source.iterdir():
+        if file.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
+            shutil.copy(file, directory / file.name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def smollm2_draft_path(smollm2_path, tmp_path_factory) -> Path:
+    """SmolLM2 cut to its first 8 of 30 layers: the test suite's draft model."""
+    return truncate_checkpoint(smollm2_path, tmp_path_factory.mktemp("smollm2-draft"), 8)

@@ -119,13 +119,17 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         logits_indices: torch.Tensor | None = None,
         return_hidden: bool = False,
+        num_layers: int | None = None,
     ) -> ForwardOutput:
-        """Run the step's trees; logits only for `logits_indices` (all tokens when None)."""
+        """Run the step's trees; logits only for `logits_indices` (all tokens when None).
+
+        `num_layers` stops after the first layers and applies the final norm and LM head there
+        (early exit: the target's own cheap draft, reusing its cache for those layers)."""
         if self.rotary is None:
             raise RuntimeError("call init_rotary() after loading weights")
         cos, sin = self.rotary(meta.positions)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, kv_cache, meta)
         if logits_indices is not None and not return_hidden:
             x = x[logits_indices]  # normalise only the rows whose logits we need

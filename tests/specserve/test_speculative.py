@@ -18,14 +18,14 @@ from drafters import Drafter
 from specserve import verify as verify_module
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
-from specserve.kv_cache import KVCache
 from specserve.sampling import SamplingParams
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "spec_bench_52.jsonl"
 
 
 def make_engine(path, **options) -> LLMEngine:
-    return LLMEngine(path, dtype="float32", config=EngineConfig(**options))
+    """fp32; every drafted tree at its cap (`speculation="fixed"`) unless a test says otherwise."""
+    return LLMEngine(path, dtype="float32", config=EngineConfig(**{"speculation": "fixed", **options}))
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], params, check: bool = True) -> list:
@@ -61,22 +61,33 @@ def spec_bench(smollm2_path):
     return prompts, reference, {q["category"] for q in questions}
 
 
+DRAFTERS = {  # every kind of drafter, and a merge of two (model drafters grow small trees here: speed)
+    "ngram": dict(draft="ngram"),
+    "draft-model": dict(draft="{draft}", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
+    "early-exit": dict(draft="early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
+    "merged": dict(draft="ngram+early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["one-batch", "preemption"])
-def test_greedy_speculation_equals_plain_decoding(smollm2_path, spec_bench, case):
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_speculation_equals_plain_decoding(smollm2_path, smollm2_draft_path, spec_bench, drafter, case):
     prompts, reference, categories = spec_bench
     assert len(prompts) >= 40 and len(categories) == 13
-    options: dict = dict(draft="ngram", kv_cache_memory="256MiB")
+    options: dict = {**DRAFTERS[drafter], "kv_cache_memory": "256MiB"}
+    options["draft"] = options["draft"].format(draft=smollm2_draft_path)
     if case == "preemption":  # room for the longest sequence and a little more
-        per_block = KVCache.bytes_per_block(make_engine(smollm2_path, kv_cache_memory="1MiB").model.config, 16,
-                                            torch.float32)
+        engine = make_engine(smollm2_path, **{**options, "kv_cache_memory": "4MiB"})
+        per_block = engine.kv_cache.bytes_per_block(engine.model.config, 16, torch.float32)
+        per_block += sum(d.kv_bytes_per_block(16) for d in engine._parts.values())  # a draft model's K/V too
         longest = max(len(p) for p in prompts) + 32
         options["kv_cache_memory"] = per_block * (longest // 16 + 12)
-    outputs = run_batch(make_engine(smollm2_path, **options), prompts, SamplingParams(temperature=0, max_tokens=32))
+    engine = make_engine(smollm2_path, **options)
+    outputs = run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=32))
     for i, (got, want) in enumerate(zip(tokens_of(outputs), reference, strict=True)):
         assert got == want, f"prompt {i}: speculative output differs"
-    accepted = sum(o.metrics.spec.accepted_tokens for o in outputs)
-    assert accepted > 0, "the n-gram drafter should have had drafts accepted"
+    assert engine.metrics.spec.accepted_tokens > 0, "some drafted tokens should have been accepted"
     if case == "preemption":
         assert sum(o.metrics.num_preemptions for o in outputs) > 0
 
@@ -121,22 +132,24 @@ class RecordingDrafter(Drafter):
     """Wraps a drafter and remembers the widest tree it proposed."""
 
     def __init__(self, inner: Drafter):
-        self.inner, self.spec, self.max_children = inner, inner.spec, 0
+        self.inner, self.spec, self.max_children, self.sampled_nodes = inner, inner.spec, 0, 0
 
     def propose(self, requests):
         drafts = self.inner.propose(requests)
         for draft in drafts:
             self.max_children = max(self.max_children, *(len(c) for c in draft.tree.children))
+            self.sampled_nodes += len(draft.probs)
         return drafts
 
     def release(self, seq_id: int) -> None:
         self.inner.release(seq_id)
 
 
-def first_three(path, draft: str, params: SamplingParams, draws: int) -> tuple[torch.Tensor, LLMEngine]:
+def first_three(path, draft: str, params: SamplingParams, draws: int, **options) -> tuple[torch.Tensor, LLMEngine]:
     """Counts of the first three generated tokens over `draws` seeded requests (each generates
     four, so the trees verified after the first token have room to branch or go deep)."""
-    engine = make_engine(path, draft=draft, max_num_seqs=256, max_num_batched_tokens=1024, kv_cache_memory="64MiB")
+    engine = make_engine(path, draft=draft, max_num_seqs=256, max_num_batched_tokens=1024, kv_cache_memory="64MiB",
+                         **options)
     if engine.drafter is not None:
         engine.drafter = RecordingDrafter(engine.drafter)
     counts = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
@@ -173,6 +186,29 @@ def test_sampled_speculation_has_the_same_distribution(small_vocab_model, case, 
     assert engine.drafter.max_children >= 2, "the verified trees branch"
     p_value = chi_square_two_sample(plain_counts(small_vocab_model, case), speculative)
     assert p_value > 0.01, f"{case}: speculative sampling changed the distribution (p = {p_value:.2e})"
+
+
+@pytest.fixture(scope="module")
+def small_vocab_draft(tmp_path_factory, small_vocab_model, make_tiny_checkpoint):
+    """Another random model over the same 8 tokens: a draft that is often wrong."""
+    import shutil
+
+    directory = make_tiny_checkpoint(tmp_path_factory.mktemp("vocab8-draft"), seed=1, vocab_size=VOCAB,
+                                     initializer_range=0.3, eos_token_id=7, bos_token_id=0, num_hidden_layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(small_vocab_model / name, directory / name)
+    return directory
+
+
+def test_sampled_draft_model_trees_keep_the_distribution(small_vocab_model, small_vocab_draft, chi_square_two_sample):
+    """Draft-model children sampled from q without replacement, verified against q."""
+    speculative, engine = first_three(small_vocab_model, str(small_vocab_draft), SAMPLING["T=1"], 20_000,
+                                      draft_top_k=2, draft_beam=2)
+    spec = engine.metrics.spec
+    assert spec.accepted_tokens > 0 and len(spec.accepted_at_depth) > 1
+    assert engine.drafter.max_children >= 2 and engine.drafter.sampled_nodes > 1000
+    p_value = chi_square_two_sample(plain_counts(small_vocab_model, "T=1"), speculative)
+    assert p_value > 0.01, f"draft-model speculation changed the distribution (p = {p_value:.2e})"
 
 
 def test_a_verifier_that_always_accepts_is_caught(small_vocab_model, chi_square_two_sample, monkeypatch):

@@ -1,0 +1,260 @@
+"""Speculative decoding end to end: greedy, bf16, medians; every configuration side by side.
+
+(a) Qwen2.5-Coder-1.5B target + 0.5B draft on Spec-Bench's 10 coding questions, 128 new
+    tokens, batch 1: tok/s of transformers greedy, transformers assisted generation
+    (`assistant_model=`), specserve without speculation, with a drafted chain and with a
+    drafted tree. Per prompt the configurations run back to back (interleaved), after a
+    warm-up of each; the median over prompts (x repeats) is reported.
+(b) SmolLM2 with early exit and n-gram drafters on Spec-Bench (all 13 categories, first turn,
+    64 new tokens, batch 1): speed-up over specserve without speculation and MAT, per category.
+(c) SmolLM2 at 1, 8, 32 and 64 concurrent requests: aggregate tok/s with and without
+    speculation (adaptive tree budgets), interleaved, median of repeats.
+
+EOS is ignored everywhere so that every run generates the same number of tokens.
+
+    python benchmarks/speculative.py --parts a,b,c [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from report import write_report
+from tqdm import tqdm
+
+from specserve.config import EngineConfig
+from specserve.engine import LLMEngine
+from specserve.pull import resolve_model
+from specserve.sampling import SamplingParams
+from specserve.sequence import SpecStats
+
+RESULTS = Path(__file__).parent / "results"
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_questions.jsonl"
+
+
+def questions(path: Path) -> dict[str, list[str]]:
+    """First turns of Spec-Bench's questions by category, in file order."""
+    if not path.exists():
+        raise SystemExit(f"{path} not found: pass --questions PATH to Spec-Bench's question.jsonl")
+    by_category: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        by_category.setdefault(q["category"], []).append(q["turns"][0])
+    return by_category
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculation: dict | None) -> dict:
+    """All prompts at once, to completion: wall time, tokens, and speculation counters."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
+    first = engine.metrics.steps
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.finished]
+    wall = time.perf_counter() - start
+    spec = SpecStats()
+    for o in outputs:
+        spec.add(o.metrics.spec)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": engine.metrics.steps - first,
+            "mat": spec.mean_accepted_tokens, "drafted": spec.drafted_tokens, "accepted": spec.accepted_tokens,
+            "verify_steps": spec.verify_steps, "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# -- (a) Qwen target + draft against transformers -------------------------------------------------
+
+
+def part_a(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    target, draft = resolve_model(args.target), resolve_model(args.draft)
+    engine = LLMEngine(target, "bfloat16", EngineConfig(draft=str(draft), speculation=args.speculation,
+                                                         kv_cache_memory="1GiB"))
+    dtype = torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype).eval()
+    prompts = [engine.encode(q, chat=True) for q in questions(args.questions)["coding"][: args.prompts]]
+    drafter = engine.drafter
+    shapes = {"chain": (1, 1, args.chain_tokens), "tree": (args.top_k, args.beam, args.tree_tokens)}
+
+    def specserve(name: str, prompt: list[int], max_tokens: int) -> dict:
+        if name == "no-spec":
+            return run(engine, [prompt], max_tokens, {"enabled": False})
+        drafter.top_k, drafter.beam, cap = shapes[name]
+        return run(engine, [prompt], max_tokens, {"max_tree_tokens": cap})
+
+    def hf_run(prompt: list[int], max_tokens: int, assisted: bool) -> dict:
+        ids = torch.tensor([prompt])
+        extra = {"assistant_model": assistant} if assisted else {}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, **extra)
+        wall = time.perf_counter() - start
+        return {"wall_s": wall, "tokens": out.shape[1] - len(prompt), "tok_s": (out.shape[1] - len(prompt)) / wall,
+                "token_ids": [out[0, len(prompt):].tolist()]}
+
+    contenders = {
+        "transformers greedy": lambda p, n: hf_run(p, n, False),
+        "transformers assisted": lambda p, n: hf_run(p, n, True),
+        "specserve no-spec": lambda p, n: specserve("no-spec", p, n),
+        "specserve chain": lambda p, n: specserve("chain", p, n),
+        "specserve tree": lambda p, n: specserve("tree", p, n),
+    }
+    for fn in tqdm(contenders.values(), desc="(a) warm-up", unit="config"):
+        fn(prompts[0], 8)
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for prompt in tqdm(prompts, desc="(a) prompts", unit="prompt"):
+            for name, fn in contenders.items():
+                runs[name].append(fn(prompt, args.max_tokens_a))
+    summary = {name: {"tok_s": median([r["tok_s"] for r in rs]),
+                      "mat": median([r["mat"] for r in rs if r.get("mat")]) if "chain" in name or "tree" in name
+                      else None} for name, rs in runs.items()}
+    base, assisted = summary["transformers greedy"]["tok_s"], summary["transformers assisted"]["tok_s"]
+    plain = runs["specserve no-spec"]
+    same = all(a["token_ids"] == b["token_ids"] for name in ("specserve chain", "specserve tree")
+               for a, b in zip(plain, runs[name], strict=True))
+    result = {"machine": _machine(), "target": args.target, "draft": args.draft, "prompts": len(prompts),
+              "max_tokens": args.max_tokens_a, "repeats": args.repeats, "shapes": shapes,
+              "speculation": args.speculation, "summary": summary, "identical_to_no_spec": same,
+              "runs": {k: [{x: y for x, y in r.items() if x != "token_ids"} for r in v] for k, v in runs.items()}}
+    rows = [[name, f"{s['tok_s']:.2f}", f"{s['tok_s'] / base:.2f}x", f"{s['tok_s'] / assisted:.2f}x",
+             "" if s["mat"] is None else f"{s['mat']:.2f}"] for name, s in summary.items()]
+    caption = (f"(a) {args.target} + {args.draft} draft, bfloat16, {torch.get_num_threads()} threads: "
+               f"Spec-Bench coding ({len(prompts)} prompts), {args.max_tokens_a} new tokens, batch 1, median over "
+               f"prompts x {args.repeats}. Chain: top-k 1, cap {shapes['chain'][2]}; tree: top-k {args.top_k}, "
+               f"beam {args.beam}, cap {args.tree_tokens}; speculation {args.speculation}. Speculative tokens "
+               f"identical to no-spec: {same}.")
+    write_report(args.out + "-a", result, caption, ["config", "tok/s", "vs HF greedy", "vs HF assisted", "MAT"], rows)
+
+
+# -- (b) SmolLM2 drafters per Spec-Bench category ---------------------------------------------------
+
+
+def part_b(args) -> None:
+    engine = LLMEngine(resolve_model(args.model), "bfloat16",
+                       EngineConfig(draft="ngram", speculation=args.speculation, kv_cache_memory="1GiB",
+                                    max_tree_tokens=args.tree_tokens))
+    configs = {"no-spec": {"enabled": False}, "ngram": {"drafter": "ngram"},
+               f"early-exit:{args.early_exit}": {"drafter": f"early-exit:{args.early_exit}"},
+               f"ngram+early-exit:{args.early_exit}": {"drafter": f"ngram+early-exit:{args.early_exit}"}}
+    by_category = {c: [engine.encode(q, chat=True) for q in qs[: args.per_category]]
+                   for c, qs in questions(args.questions).items()}
+    first = next(iter(by_category.values()))[0]
+    for spec in configs.values():
+        run(engine, [first], 8, spec)
+    runs: dict[str, dict[str, list[dict]]] = {c: {name: [] for name in configs} for c in by_category}
+    for _ in range(args.repeats):
+        for category, prompts in tqdm(by_category.items(), desc="(b) categories", unit="category"):
+            for prompt in prompts:
+                for name, spec in configs.items():
+                    runs[category][name].append(run(engine, [prompt], args.max_tokens_b, spec))
+    summary = {}
+    rows = []
+    for category, by_config in runs.items():
+        plain = median([r["tok_s"] for r in by_config["no-spec"]])
+        entry = {"no-spec tok/s": plain}
+        row = [category, f"{plain:.1f}"]
+        for name in list(configs)[1:]:
+            rate = median([r["tok_s"] for r in by_config[name]])
+            mats = [r["mat"] for r in by_config[name] if r["mat"]]
+            entry[name] = {"tok_s": rate, "speedup": rate / plain, "mat": median(mats) if mats else None}
+            row += [f"{rate / plain:.2f}x", "-" if not mats else f"{median(mats):.2f}"]
+        summary[category] = entry
+        rows.append(row)
+    same = all(a["token_ids"] == b["token_ids"] for by_config in runs.values() for name in list(configs)[1:]
+               for a, b in zip(by_config["no-spec"], by_config[name], strict=True))
+    header = ["category", "no-spec tok/s"] + [h for name in list(configs)[1:] for h in (f"{name} speed-up", "MAT")]
+    result = {"machine": _machine(), "model": args.model, "max_tokens": args.max_tokens_b,
+              "per_category": args.per_category, "repeats": args.repeats, "speculation": args.speculation,
+              "summary": summary, "identical_to_no_spec": same}
+    caption = (f"(b) {args.model}, bfloat16, batch 1, {args.max_tokens_b} new tokens, Spec-Bench first turns "
+               f"({args.per_category} per category x {args.repeats}), median; speculation {args.speculation}, cap "
+               f"{args.tree_tokens}. Speculative tokens identical to no-spec: {same}.")
+    write_report(args.out + "-b", result, caption, header, rows)
+
+
+# -- (c) SmolLM2 under load ---------------------------------------------------------------------------
+
+
+def part_c(args) -> None:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engine = LLMEngine(resolve_model(args.model), "bfloat16",
+                       EngineConfig(draft=args.draft_c, speculation=args.speculation, kv_cache_memory="2GiB",
+                                    max_num_seqs=max(levels), max_tree_tokens=args.tree_tokens))
+    pool = [engine.encode(q, chat=True) for qs in questions(args.questions).values() for q in qs[:8]]
+    pool = [p for p in pool if len(p) <= 384]
+    configs = {"no-spec": {"enabled": False}, args.draft_c: None}
+    for spec in configs.values():
+        run(engine, pool[:8], 8, spec)
+    runs: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in configs} for c in levels}
+    for _ in tqdm(range(args.repeats), desc="(c) repeats", unit="rep"):
+        for c in levels:
+            for name, spec in configs.items():
+                runs[c][name].append(run(engine, pool[:c], args.max_tokens_b, spec))
+    summary, rows = {}, []
+    for c, by_config in runs.items():
+        plain = median([r["tok_s"] for r in by_config["no-spec"]])
+        spec = median([r["tok_s"] for r in by_config[args.draft_c]])
+        drafted = sum(r["drafted"] for r in by_config[args.draft_c])
+        mats = [r["mat"] for r in by_config[args.draft_c] if r["mat"]]
+        summary[c] = {"no-spec tok/s": plain, "spec tok/s": spec, "ratio": spec / plain, "drafted": drafted,
+                      "mat": median(mats) if mats else None}
+        rows.append([str(c), f"{plain:.1f}", f"{spec:.1f}", f"{spec / plain:.2f}x", str(drafted),
+                     "-" if not mats else f"{median(mats):.2f}"])
+    result = {"machine": _machine(), "model": args.model, "draft": args.draft_c, "max_tokens": args.max_tokens_b,
+              "repeats": args.repeats, "speculation": args.speculation, "summary": summary}
+    caption = (f"(c) {args.model}, bfloat16, {args.max_tokens_b} new tokens per request, all submitted at once; "
+               f"`{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) vs no speculation, "
+               f"median of {args.repeats} interleaved repeats.")
+    write_report(args.out + "-c", result, caption,
+                 ["concurrent", "no-spec tok/s", "spec tok/s", "ratio", "drafted tokens", "MAT"], rows)
+
+
+def _machine() -> dict:
+    return {"processor": platform.processor(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="a,b,c")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--questions", type=Path, default=SPEC_BENCH, help="Spec-Bench questions (jsonl)")
+    parser.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--max-tokens-a", type=int, default=128)
+    parser.add_argument("--chain-tokens", type=int, default=8)
+    parser.add_argument("--tree-tokens", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--early-exit", type=int, default=15)
+    parser.add_argument("--per-category", type=int, default=3)
+    parser.add_argument("--max-tokens-b", type=int, default=64)
+    parser.add_argument("--draft-c", default="ngram")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--out", default=str(RESULTS / "speculative"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    parts = {"a": part_a, "b": part_b, "c": part_c}
+    for part in args.parts.split(","):
+        parts[part.strip()](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A separate small draft model sharing the target's tokenizer (e.g. Qwen2.5-Coder-0.5B for 1.5B).
+
+Its K/V live in its own tensors, indexed by the *same* block tables as the target's, so one
+block manager accounts for both (the engine sizes the pool by their summed bytes per block).
+The draft keeps, per sequence, how many leading tokens have draft K/V; each step's first
+round runs the tokens it has not seen (the accepted run and the bonus token of the last step,
+or a whole prompt) as one chain ending at the root, then grows the tree from there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from drafters.base import DraftTarget
+from drafters.tree_search import TreeSearchDrafter, _Search
+from specserve.kv_cache import KVCache
+from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.models.llama import LlamaForCausalLM
+from specserve.tree import TokenTree
+
+
+class DraftModelDrafter(TreeSearchDrafter):
+    def __init__(self, model: LlamaForCausalLM, spec: str, top_k: int = 4, beam: int = 4):
+        super().__init__(top_k, beam)
+        self.model, self.spec = model, spec
+        self.runner: ModelRunner | None = None
+        self._computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft K/V are in place
+
+    @classmethod
+    def load(cls, name_or_path: str, dtype: str | torch.dtype | None, top_k: int = 4, beam: int = 4
+             ) -> DraftModelDrafter:
+        """A known model name (pulled on first use), an HF directory or a .gguf file."""
+        from specserve.models.loader import load_model
+        from specserve.pull import resolve_model
+
+        path: Path = resolve_model(name_or_path)
+        return cls(load_model(path, dtype), name_or_path, top_k, beam)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return KVCache.bytes_per_block(self.model.config, block_size, self.model.dtype)
+
+    def attach(self, target: DraftTarget) -> None:
+        if self.model.config.vocab_size > target.vocab_size + 1024:  # padded vocabularies differ a little
+            raise ValueError(f"draft model {self.spec!r} has a vocabulary of {self.model.config.vocab_size} tokens, "
+                             f"the target {target.vocab_size}: a draft model must share the target's tokenizer")
+        cache = KVCache.for_model(self.model.config, target.num_blocks, target.block_size, self.model.dtype)
+        self.runner = ModelRunner(self.model, cache)
+        self.vocab_size = target.vocab_size
+
+    def release(self, seq_id: int) -> None:
+        self._computed.pop(seq_id, None)
+
+    def _tree_request(self, search: _Search) -> TreeRequest:
+        request = search.request
+        limit = self.model.config.vocab_size - 1  # target-only special tokens: any id will do for a draft
+        if search.rounds:
+            tree = super()._tree_request(search)
+            if tree.tree.tokens[0] > limit:
+                tree.tree = TokenTree((limit, *tree.tree.tokens[1:]), tree.tree.parents)
+            return tree
+        total = len(request.token_ids)
+        done = self._computed.get(request.seq_id, 0)
+        done = done if done < total else 0  # cannot happen unless state went stale: recompute
+        self._computed[request.seq_id] = total
+        chain = [min(int(t), limit) for t in request.token_ids[done:]]
+        return TreeRequest(TokenTree.chain(chain), done, request.block_table, "last")
+
+    def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:
+        return [o.logits for o in self.runner.forward([self._tree_request(s) for s in searches])]

@@ -1,0 +1,133 @@
+"""What a target forward of N tokens costs on this machine, measured once and cached.
+
+Speculation trades forward size for tokens: a verification tree adds rows to the step's
+forward, and whether that pays depends on how the forward's time grows with its rows, which
+differs by model, dtype and machine (on a 2-core CPU, 32 rows of SmolLM2 in bf16 cost about
+one decode step; on a big batch each extra row costs real time). So the engine times a
+forward of N tokens (after a 128-token context) for N = 1, 2, 4, ... up to its token budget
+at start-up, caches the table under the user cache dir, and interpolates between sizes.
+While serving, the measured step times keep a running correction of the whole curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specserve.block_manager import BlockManager, BlockTable
+from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.tree import TokenTree
+
+CALIBRATION_CONTEXT = 128
+REPEATS = 3
+
+
+@dataclass
+class ForwardCost:
+    """Seconds of a forward by number of new tokens: piecewise linear through measured sizes."""
+
+    sizes: list[int]
+    seconds: list[float]
+    scale: float = 1.0  # running measured / predicted ratio while serving
+    _observations: int = field(default=0, repr=False)
+
+    def __call__(self, num_tokens: int) -> float:
+        n = max(1, num_tokens)
+        i = min(max(bisect_left(self.sizes, n), 1), len(self.sizes) - 1) if len(self.sizes) > 1 else 0
+        if len(self.sizes) == 1:
+            return self.scale * self.seconds[0] * n / self.sizes[0]
+        (n0, n1), (t0, t1) = self.sizes[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
+        return self.scale * max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)  # beyond the ends: the end lines
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Fold a measured step into `scale` (an exponential average; the shape stays calibrated)."""
+        predicted = self(num_tokens) / self.scale
+        ratio = seconds / predicted
+        weight = max(0.05, 1 / (self._observations + 1))
+        self.scale += weight * (ratio - self.scale)
+        self._observations += 1
+
+    def to_json(self) -> dict:
+        return {"sizes": self.sizes, "seconds": self.seconds}
+
+
+def calibration_sizes(max_tokens: int) -> list[int]:
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_tokens]
+
+
+def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress: bool = False) -> ForwardCost:
+    """Time forwards of 1, 2, 4, ... `max_tokens` new tokens after a short context (median of
+    `REPEATS` after a warm-up), in scratch blocks given back afterwards."""
+    sizes = calibration_sizes(max_tokens)
+    capacity = blocks.num_free_blocks * blocks.block_size
+    context = min(CALIBRATION_CONTEXT, max(0, capacity - sizes[-1]))
+    sizes = [n for n in sizes if context + n <= capacity] or [1]
+    table = BlockTable()
+    blocks.ensure_slots(table, context + sizes[-1])
+    seconds = []
+    try:
+        for n in _progress(sizes, progress):
+            tree = TokenTree.chain([0] * n)
+            times = []
+            for _ in range(REPEATS + 1):
+                start = time.perf_counter()
+                runner.forward([TreeRequest(tree, context, table.block_ids, "last")])
+                times.append(time.perf_counter() - start)
+            seconds.append(statistics.median(times[1:]))
+    finally:
+        blocks.free(table)
+    return ForwardCost(sizes, seconds)
+
+
+def load_or_measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, model_path: Path,
+                    cache: Path | None = None) -> ForwardCost:
+    """The cached table for this model, dtype and machine, or a fresh measurement (then cached)."""
+    file = _cache_file(runner, model_path, max_tokens, cache)
+    if file.exists():
+        try:
+            data = json.loads(file.read_text())
+            return ForwardCost(list(data["sizes"]), list(data["seconds"]))
+        except (ValueError, KeyError):
+            pass  # a damaged cache entry: measure again
+    cost = measure(runner, blocks, max_tokens, progress=True)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    temporary = file.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(cost.to_json()))
+    temporary.replace(file)
+    return cost
+
+
+def _cache_file(runner: ModelRunner, model_path: Path, max_tokens: int, cache: Path | None) -> Path:
+    from specserve.pull import cache_dir
+
+    weights = sorted(Path(model_path).glob("*.safetensors"))
+    key = json.dumps({
+        "model": str(Path(model_path).resolve()),
+        "weights": [(w.name, w.stat().st_size, int(w.stat().st_mtime)) for w in weights],
+        "dtype": str(runner.model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+        "block_size": runner.block_size, "max_tokens": max_tokens,
+    }, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return (cache or cache_dir()) / "costs" / f"{Path(model_path).name}-{digest}.json"
+
+
+def _progress(sizes: list[int], show: bool):
+    if not show:
+        return sizes
+    from tqdm import tqdm
+
+    return tqdm(sizes, desc="calibrating forward cost", unit="size", leave=False)

@@ -1,0 +1,118 @@
+"""Per-step tree budgets: speculate where it pays, and by as much as it pays.
+
+For the decoding sequences of a step, the adaptive policy picks b_r drafted nodes each to
+maximise the step's expected emitted tokens per second:
+
+    rate(b) = sum_r (1 + E_r(b_r)) / (T(N0 + sum_r b_r) + sum_d D_d(b))
+
+* E_r(b) = alpha_r + alpha_r^2 + ... + alpha_r^b: expected accepted tokens if each next
+  drafted token is accepted with probability alpha_r, the sequence's measured acceptance
+  (shrunk toward its drafter's while the sequence has few steps of its own);
+* T: the calibrated cost of a target forward of N tokens (`specserve.cost_model`), N0 the
+  step's tokens without trees (decodes and prompt chunks);
+* D_d: drafter d's measured cost per step, proportional to the largest budget it serves.
+
+Nodes are added one at a time where the marginal gain alpha_r^(b_r+1) is largest, and the
+best prefix of that order wins, b = 0 included: at high load, where every extra row costs
+real time, nothing is speculated and the engine runs as fast as without speculation.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from drafters.base import Drafter
+from specserve.cost_model import ForwardCost
+from specserve.sequence import Sequence
+
+PRIOR_STEPS = 4  # a new sequence's acceptance counts its drafter's as this many steps of its own
+MIN_GAIN = 1e-3  # expected tokens below which another node is not worth considering
+
+
+@dataclass
+class _DrafterRecord:
+    accepted: int = 0
+    rejected: int = 0  # verify steps (each ends in a rejection or the budget's end)
+    seconds_per_node: float | None = None  # draft time per node of the step's largest budget
+
+
+class SpeculationPolicy:
+    """Fixed: every speculating sequence gets its cap. Adaptive: the budgets that maximise rate."""
+
+    def __init__(self, adaptive: bool, forward_cost: ForwardCost | None = None):
+        self.adaptive = adaptive
+        self.forward_cost = forward_cost
+        self._drafters: dict[int, _DrafterRecord] = {}
+
+    # -- measurements -------------------------------------------------------------------------
+
+    def observe_draft(self, drafter: Drafter, seconds: float, max_budget: int) -> None:
+        if max_budget <= 0:
+            return
+        record = self._record(drafter)
+        per_node = seconds / max_budget
+        record.seconds_per_node = per_node if record.seconds_per_node is None else (
+            0.8 * record.seconds_per_node + 0.2 * per_node)
+
+    def observe_verify(self, drafter: Drafter, accepted: int) -> None:
+        record = self._record(drafter)
+        record.accepted += accepted
+        record.rejected += 1
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        if self.forward_cost is not None:
+            self.forward_cost.observe(num_tokens, seconds)
+
+    def acceptance(self, seq: Sequence) -> float:
+        """alpha: the probability that the next drafted token is accepted, for this sequence."""
+        record = self._record(seq.drafter)
+        prior = (record.accepted + 1) / (record.accepted + record.rejected + 2)
+        stats = seq.spec
+        return (stats.accepted_tokens + PRIOR_STEPS * prior) / (stats.accepted_tokens + stats.verify_steps
+                                                                + PRIOR_STEPS)
+
+    # -- the decision ---------------------------------------------------------------------------
+
+    def budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int) -> dict[Sequence, int]:
+        """Drafted nodes per sequence (each within its cap, all within `max_total`)."""
+        if not self.adaptive or self.forward_cost is None:
+            chosen, left = {}, max_total
+            for seq, cap in caps.items():
+                chosen[seq] = min(cap, left)
+                left -= chosen[seq]
+            return chosen
+        return self._best_budgets(caps, base_tokens, max_total)
+
+    def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int) -> dict[Sequence, int]:
+        cost = self.forward_cost
+        alphas = {seq: self.acceptance(seq) for seq, cap in caps.items() if cap > 0}
+        budgets = dict.fromkeys(caps, 0)
+        deepest: dict[int, int] = {}  # drafter -> largest budget so far
+        tokens = float(len(caps))  # the bonus token of every decoding sequence
+        total = 0
+        draft_seconds = 0.0
+        best_rate, best = tokens / cost(base_tokens), dict(budgets)
+        heap = [(-alpha, seq.seq_id, seq) for seq, alpha in alphas.items()]
+        heapq.heapify(heap)
+        while heap and total < max_total:
+            neg_gain, _, seq = heapq.heappop(heap)
+            if -neg_gain < MIN_GAIN:
+                break
+            budgets[seq] += 1
+            total += 1
+            tokens += -neg_gain
+            key = id(seq.drafter)
+            if budgets[seq] > deepest.get(key, 0):
+                deepest[key] = budgets[seq]
+                draft_seconds += self._record(seq.drafter).seconds_per_node or 0.0
+            rate = tokens / (cost(base_tokens + total) + draft_seconds)
+            if rate > best_rate:
+                best_rate, best = rate, dict(budgets)
+            if budgets[seq] < caps[seq]:
+                heapq.heappush(heap, (neg_gain * alphas[seq], seq.seq_id, seq))
+        return best
+
+    def _record(self, drafter: Drafter | None) -> _DrafterRecord:
+        return self._drafters.setdefault(id(drafter), _DrafterRecord())

@@ -1,0 +1,107 @@
+"""Model drafters grow trees best-first by draft probability, within budget and depth;
+sampled trees keep exactly a without-replacement draw per node, with its distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drafters.base import DraftRequest
+from drafters.tree_search import TreeSearchDrafter
+
+VOCAB = 6
+
+
+class TableDrafter(TreeSearchDrafter):
+    """A 'model' whose next-token logits depend only on the current token (a Markov table)."""
+
+    def __init__(self, table: torch.Tensor, **options):
+        super().__init__(**options)
+        self.table, self.spec, self.vocab_size, self.frontiers = table, "table", VOCAB, []
+
+    def _forward(self, searches):
+        self.frontiers.append([len(s.frontier) for s in searches])
+        return [self.table[[s.tokens[n] for n in s.frontier]] for s in searches]
+
+
+def confident_table() -> torch.Tensor:
+    """Token t is followed by t + 1 with probability ~0.9, anything else rarely."""
+    logits = torch.full((VOCAB, VOCAB), -4.0)
+    for t in range(VOCAB):
+        logits[t, (t + 1) % VOCAB] = 2.0
+    return logits
+
+
+def request(max_nodes: int, max_depth: int | None = None, **kwargs) -> DraftRequest:
+    return DraftRequest(0, [3, 1, 0], max_nodes, max_nodes if max_depth is None else max_depth, **kwargs)
+
+
+def test_a_chain_follows_the_argmax_for_the_whole_budget():
+    drafter = TableDrafter(confident_table(), top_k=1, beam=1)
+    (draft,) = drafter.propose([request(5)])
+    assert draft.tree.is_chain and draft.tree.tokens == (0, 1, 2, 3, 4, 5)
+    assert drafter.forwards == 5 and not draft.probs  # the last node is a leaf: never forwarded
+
+
+def test_a_confident_draft_grows_deep_and_an_unsure_one_wide():
+    deep = TableDrafter(confident_table(), top_k=4, beam=4)
+    (draft,) = deep.propose([request(6)])
+    assert max(draft.tree.depths) >= 4, "confident paths beat long-shot siblings"
+    flat = TableDrafter(torch.zeros(VOCAB, VOCAB), top_k=4, beam=4)  # uniform: every child 1/6
+    (draft,) = flat.propose([request(6)])
+    assert len(draft.tree.children[0]) == 4 and max(draft.tree.depths) == 2
+
+
+def test_nodes_are_the_most_likely_paths_and_respect_budget_and_depth():
+    torch.manual_seed(0)
+    table = torch.randn(VOCAB, VOCAB) * 2
+    logq = torch.log_softmax(table, -1)
+    for budget, depth in [(1, 1), (4, 2), (7, 3), (12, 12)]:
+        (draft,) = TableDrafter(table, top_k=3, beam=2).propose([request(budget, depth)])
+        tree = draft.tree
+        assert len(tree) - 1 == budget and max(tree.depths) <= depth
+        for node in range(1, len(tree)):  # children come from their parent's top-3
+            parent = tree.parents[node]
+            assert tree.tokens[node] in logq[tree.tokens[parent]].topk(3).indices.tolist()
+        # best-first: the root's most likely child is always in the tree
+        assert int(logq[0].argmax()) in [tree.tokens[c] for c in tree.children[0]]
+
+
+def test_every_request_of_a_step_shares_each_draft_forward():
+    drafter = TableDrafter(confident_table(), top_k=1, beam=1)
+    drafts = drafter.propose([request(3), request(1), request(0)])
+    assert [d.num_drafted for d in drafts] == [3, 1, 0]
+    assert drafter.frontiers == [[1, 1], [1], [1]]  # no forward for the empty budget
+
+
+def test_sampled_children_are_a_draw_without_replacement_with_their_distribution():
+    table = torch.zeros(VOCAB, VOCAB)
+    table[:, 0] = 3.0  # token 0 is likely after anything
+    drafter = TableDrafter(table, top_k=3, beam=1)
+    generator = torch.Generator().manual_seed(0)
+    (draft,) = drafter.propose([request(5, temperature=0.7, generator=generator)])
+    tree = draft.tree
+    assert len(tree) - 1 == 5
+    for node, q in draft.probs.items():
+        kids = [tree.tokens[c] for c in tree.children[node]]
+        assert len(set(kids)) == len(kids), "without replacement"
+        assert q.shape == (VOCAB,) and math.isclose(float(q.sum()), 1.0, rel_tol=1e-5)
+        torch.testing.assert_close(q, torch.softmax(table[tree.tokens[node]] / 0.7, -1))
+    assert all(tree.children[n] == () or n in draft.probs for n in range(len(tree)))
+    # the first child of the root is token 0 about as often as q says
+    hits = 0
+    for seed in range(400):
+        (d,) = TableDrafter(table, top_k=3, beam=1).propose(
+            [request(3, temperature=0.7, generator=torch.Generator().manual_seed(seed))])
+        hits += d.tree.tokens[d.tree.children[0][0]] == 0
+    q0 = float(torch.softmax(table[0] / 0.7, -1)[0])
+    assert abs(hits / 400 - q0) < 4 * math.sqrt(q0 * (1 - q0) / 400)
+
+
+def test_an_unattached_drafter_says_so():
+    drafter = TableDrafter(confident_table())
+    drafter.vocab_size = None
+    with pytest.raises(RuntimeError, match="never attached"):
+        drafter.propose([request(2)])
