@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from specserve.config import EngineConfig, available_memory, parse_memory
+from drafters.spec import parse_spec
+from specserve.config import EngineConfig, available_memory, load_config_file, parse_memory
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -31,3 +34,36 @@ def test_bad_memory_is_refused_with_a_hint(value, message):
 def test_token_budget_must_cover_every_running_sequence():
     with pytest.raises(ValueError, match="max_num_batched_tokens .* must be at least max_num_seqs"):
         EngineConfig(max_num_seqs=32, max_num_batched_tokens=16)
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_file_is_valid(path):
+    settings = load_config_file(path)
+    assert settings["target"] and parse_spec(settings.get("draft"))
+
+
+def test_config_files_refuse_unknown_settings(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("target: smollm2-135m-instruct\ndraft_model: x\n")
+    with pytest.raises(ValueError, match=r"unknown settings \['draft_model'\]; known: .*draft"):
+        load_config_file(path)
+    path.write_text("draft: ngram+\n")
+    with pytest.raises(ValueError, match="empty part"):
+        load_config_file(path)
+    path.write_text("speculation: sometimes\n")
+    with pytest.raises(ValueError, match="use one of adaptive, fixed, off"):
+        load_config_file(path)
+
+
+def test_flags_override_the_config_file(tmp_path):
+    from specserve.cli import build_parser, engine_settings
+
+    path = tmp_path / "c.yaml"
+    path.write_text("target: smollm2-135m-instruct\ndraft: ngram\nmax_tree_tokens: 4\n")
+    args = build_parser().parse_args(["generate", "hi", "--config", str(path), "--draft", "early-exit:6"])
+    assert engine_settings(args) == {"target": "smollm2-135m-instruct", "draft": "early-exit:6", "max_tree_tokens": 4}
+    args = build_parser().parse_args(["generate", "hi"])
+    assert engine_settings(args) == {"target": "smollm2-135m-instruct"}

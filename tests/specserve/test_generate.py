@@ -40,6 +40,18 @@ def test_cli_greedy_output_equals_transformers_generate(smollm2_path):
 
 
 @pytest.mark.slow
+def test_cli_speculates_from_a_config_file_without_changing_the_output(smollm2_path):
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "smollm2-early-exit.yaml"
+    plain = run_cli("generate", PROMPT, "--json", "--max-tokens", "24", "--dtype", "float32")
+    spec = run_cli("generate", PROMPT, "--json", "--max-tokens", "24", "--dtype", "float32", "--config", str(config),
+                   "--speculation", "fixed")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert json.loads(spec.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
+@pytest.mark.slow
 def test_cli_json_output(smollm2_path):
     result = run_cli("generate", PROMPT, "--json", "--max-tokens", "16", "--dtype", "float32")
     assert result.returncode == 0, result.stderr

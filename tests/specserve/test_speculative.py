@@ -262,3 +262,49 @@ def test_bad_speculation_fields_say_what_to_send():
         SamplingParams(speculation={"enable": True})
     with pytest.raises(ValueError, match="max_tree_tokens must be >= 0"):
         SamplingParams(speculation={"max_tree_tokens": -1})
+
+
+# -- modes, calibration, drafter errors ------------------------------------------------------------
+
+
+def test_speculation_off_is_the_plain_engine(small_vocab_model):
+    engine = make_engine(small_vocab_model, draft="ngram", speculation="off")
+    assert engine.drafter is None
+    out = run_batch(engine, [PATTERN_PROMPT] * 2, [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, speculation={"drafter": "ngram"}),
+    ])
+    assert all(o.metrics.spec.verify_steps == 0 for o in out) and engine.metrics.spec.verify_steps == 0
+
+
+def test_adaptive_speculation_calibrates_once_per_machine(small_vocab_model, tmp_path, monkeypatch):
+    from specserve import cost_model
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    engine = make_engine(small_vocab_model, draft="ngram", speculation="adaptive", max_num_batched_tokens=64)
+    cost = engine.policy.forward_cost
+    assert cost is not None and cost.sizes == [1, 2, 4, 8, 16, 32, 64] and all(t > 0 for t in cost.seconds)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the cached curve should have been used")
+
+    monkeypatch.setattr(cost_model, "measure", no_measuring)
+    again = make_engine(small_vocab_model, draft="ngram", speculation="adaptive", max_num_batched_tokens=64)
+    assert again.policy.forward_cost.seconds == cost.seconds
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert tokens_of(run_batch(again, [PATTERN_PROMPT], greedy)) == tokens_of(
+        run_batch(make_engine(small_vocab_model), [PATTERN_PROMPT], greedy))
+    assert again.block_manager.num_free_blocks == again.block_manager.num_blocks
+
+
+def test_drafter_errors_say_what_to_change(small_vocab_model, small_vocab_draft):
+    engine = make_engine(small_vocab_model, draft="ngram")
+    with pytest.raises(ValueError, match="is not loaded: start the engine with --draft"):
+        engine.add_request("x", PATTERN_PROMPT, SamplingParams(speculation={"drafter": str(small_vocab_draft)}))
+    with pytest.raises(ValueError, match=r"early exit needs K in \[1, 1\]"):
+        make_engine(small_vocab_model, draft="early-exit:5")
+    with_draft = make_engine(small_vocab_model, draft=str(small_vocab_draft))  # loaded at start: usable per request
+    out = run_batch(with_draft, [PATTERN_PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                  speculation={"drafter": f"ngram+{small_vocab_draft}"}))
+    assert out[0].metrics.spec.verify_steps > 0

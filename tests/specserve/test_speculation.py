@@ -1,0 +1,100 @@
+"""Tree budgets: the adaptive policy speculates where the measured costs make it pay, and not
+at all where they do not; the fixed policy hands out caps within the step's token budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafters.ngram import NgramDrafter
+from specserve.cost_model import ForwardCost, calibration_sizes
+from specserve.detokenizer import TextStream
+from specserve.sampling import SamplingParams
+from specserve.sequence import Sequence
+from specserve.speculation import SpeculationPolicy
+
+
+class NullTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+DRAFTER = NgramDrafter()
+
+
+def decoding(seq_id: int, accepted: int = 0, steps: int = 0) -> Sequence:
+    """A decoding sequence whose speculation so far accepted `accepted` tokens in `steps` steps."""
+    seq = Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, prompt_ids=[1, 2, 3],
+                   params=SamplingParams(max_tokens=100), text=TextStream(NullTokenizer(), [1, 2, 3]),
+                   drafter=DRAFTER, max_tree_tokens=8)
+    for _ in range(steps):
+        seq.spec.record(8, 0)
+    seq.spec.accepted_tokens = accepted
+    return seq
+
+
+FLAT = ForwardCost([1, 64, 512], [0.050, 0.060, 0.400])  # rows nearly free up to 64 (a CPU at batch 1)
+STEEP = ForwardCost([1, 512], [0.050, 0.050 * 512])  # every row costs a whole forward
+
+
+def test_cheap_rows_and_good_acceptance_buy_deep_trees():
+    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    seq = decoding(0, accepted=90, steps=10)  # ~0.9 per drafted token
+    assert policy.budgets({seq: 8}, base_tokens=1, max_total=100)[seq] == 8
+
+
+def test_poor_acceptance_gets_fewer_nodes_than_good_acceptance():
+    policy = SpeculationPolicy(adaptive=True, forward_cost=ForwardCost([1, 2, 512], [0.05, 0.058, 4.0]))
+    good, poor = decoding(0, accepted=90, steps=10), decoding(1, accepted=1, steps=40)
+    budgets = policy.budgets({good: 8, poor: 8}, base_tokens=2, max_total=100)
+    assert budgets[good] > budgets[poor]
+
+
+def test_when_rows_cost_a_forward_each_nothing_is_speculated():
+    policy = SpeculationPolicy(adaptive=True, forward_cost=STEEP)
+    seqs = [decoding(i, accepted=50, steps=10) for i in range(4)]
+    assert set(policy.budgets(dict.fromkeys(seqs, 8), base_tokens=4, max_total=100).values()) == {0}
+
+
+def test_speculation_shrinks_as_the_batch_grows():
+    """Forward time linear beyond 64 rows: a big batch has no spare rows to speculate with."""
+    cost = ForwardCost([1, 64, 512], [0.05, 0.06, 0.50])
+    policy = SpeculationPolicy(adaptive=True, forward_cost=cost)
+    totals = []
+    for batch in (1, 8, 256):
+        seqs = [decoding(i, accepted=10, steps=10) for i in range(batch)]  # ~0.5 per drafted token
+        totals.append(sum(policy.budgets(dict.fromkeys(seqs, 8), base_tokens=batch, max_total=1024).values()) / batch)
+    assert totals[0] >= totals[1] > totals[2] == 0
+
+
+def test_measured_draft_cost_is_charged():
+    seq = decoding(0, accepted=30, steps=10)
+    free = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    costly = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    costly.observe_draft(DRAFTER, seconds=0.4, max_budget=8)  # 50 ms per drafted node: a forward each
+    assert costly.budgets({seq: 8}, 1, 100)[seq] < free.budgets({seq: 8}, 1, 100)[seq]
+
+
+def test_a_new_sequence_starts_from_its_drafters_acceptance():
+    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    fresh = decoding(0)
+    before = policy.acceptance(fresh)
+    for _ in range(50):
+        policy.observe_verify(DRAFTER, accepted=0)
+    assert policy.acceptance(fresh) < before < 1
+
+
+def test_fixed_budgets_are_the_caps_within_the_token_budget():
+    policy = SpeculationPolicy(adaptive=False)
+    a, b, c = decoding(0), decoding(1), decoding(2)
+    assert policy.budgets({a: 8, b: 8, c: 8}, base_tokens=3, max_total=12) == {a: 8, b: 4, c: 0}
+
+
+def test_forward_cost_interpolates_and_follows_measured_steps():
+    cost = ForwardCost([1, 8, 32], [0.01, 0.02, 0.05])
+    assert cost(1) == pytest.approx(0.01) and cost(8) == pytest.approx(0.02)
+    assert cost(20) == pytest.approx(0.035) and cost(64) == pytest.approx(0.09)  # the last segment extended
+    for _ in range(200):
+        cost.observe(8, 0.04)  # the machine is twice as slow as calibrated
+    assert cost(8) == pytest.approx(0.04, rel=0.05) and cost(32) == pytest.approx(0.10, rel=0.05)
+    assert calibration_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert calibration_sizes(100)[-1] == 100
