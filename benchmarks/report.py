@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+# benchmarks/kernels.py shares its name with the `kernels` package, and a script's own folder
+# comes first on the import path. `import report` (the first local import of every script)
+# therefore imports the package (light by design) with the folder off the path, then puts the
+# folder back at the end: later `import kernels...` find the package in sys.modules.
+_HERE = Path(__file__).resolve().parent
+if "kernels" not in sys.modules:
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+    import kernels  # noqa: E402, F401
+    sys.path.append(str(_HERE))
 
 
 def write_report(out: str | Path, result: dict, caption: str, header: list[str], rows: list[list[str]]) -> None:

@@ -56,6 +56,11 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:  # noqa: B027 - stateless drafters need nothing
         """Forget per-sequence state (the sequence finished, was aborted or was preempted)."""
 
+    def step_cost(self, max_nodes: int) -> float:
+        """Seconds this drafter expects to spend on a step whose largest tree has `max_nodes`
+        drafted nodes (the speculation policy weighs it against the tokens it buys)."""
+        return 0.0
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of the drafter's own K/V per block of the shared block tables (0: it has none)."""
         return 0

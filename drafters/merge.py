@@ -36,6 +36,9 @@ class MergedDrafter(Drafter):
         for drafter in self.drafters:
             drafter.release(seq_id)
 
+    def step_cost(self, max_nodes: int) -> float:
+        return sum(d.step_cost(max_nodes) for d in self.drafters)
+
 
 def tree_paths(tree: TokenTree) -> list[list[int]]:
     """The drafted tokens of every root-to-leaf path, in node order of the leaves."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from abc import abstractmethod
 from collections.abc import Sequence
 from itertools import count
@@ -52,17 +53,32 @@ class TreeSearchDrafter(Drafter):
             raise ValueError(f"tree search needs top_k >= 1 and beam >= 1, got top_k={top_k}, beam={beam}")
         self.top_k, self.beam, self.max_rounds = top_k, beam, max_rounds
         self.vocab_size: int | None = None  # the target's, set by attach()
-        self.forwards = 0  # draft forwards run so far (the cost model reads it)
+        self.forwards = 0  # draft forwards run so far
+        self.round_seconds: float | None = None  # running average of a growth round's forward
+
+    def step_cost(self, max_nodes: int) -> float:
+        """Rounds needed for the largest tree times a round's measured time (0 until measured:
+        the policy then tries speculation and learns what it costs)."""
+        if self.round_seconds is None or max_nodes <= 0:
+            return 0.0
+        first = min(self.top_k, max_nodes)  # the root's round adds up to top_k nodes
+        return self.round_seconds * (1 + math.ceil((max_nodes - first) / max(1, min(self.beam, self.top_k))))
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         if self.vocab_size is None:
             raise RuntimeError(f"drafter {self.spec!r} was never attached to an engine")
         searches = [_Search(r, self.top_k, self.beam, self.max_rounds) for r in requests]
         active = [s for s in searches if s.frontier]
+        first = True
         while active:
             self.forwards += 1
+            start = time.perf_counter()
             for search, logits in zip(active, self._forward(active), strict=True):
                 search.expand(logits[:, : self.vocab_size], self.vocab_size)
+            if not first:  # the first round also catches up on new tokens (a whole prompt, at times)
+                elapsed = time.perf_counter() - start
+                self.round_seconds = elapsed if self.round_seconds is None else 0.8 * self.round_seconds + 0.2 * elapsed
+            first = False
             active = [s for s in active if s.next_round()]
         return [s.draft() for s in searches]
 

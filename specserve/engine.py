@@ -292,9 +292,7 @@ class LLMEngine:
                                        f"last token and hold at most {s.tree_budget} drafted nodes")
                 if draft.num_drafted:
                     drafts[s.seq.seq_id] = draft
-            elapsed = time.perf_counter() - start
-            self.metrics.draft_s += elapsed
-            self.policy.observe_draft(drafter, elapsed, max(s.tree_budget for s in group))
+            self.metrics.draft_s += time.perf_counter() - start
         return drafts
 
     def _tree_request(self, s: ScheduledSequence, draft: Draft | None) -> TreeRequest:

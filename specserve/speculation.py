@@ -10,7 +10,8 @@ maximise the step's expected emitted tokens per second:
   (shrunk toward its drafter's while the sequence has few steps of its own);
 * T: the calibrated cost of a target forward of N tokens (`specserve.cost_model`), N0 the
   step's tokens without trees (decodes and prompt chunks);
-* D_d: drafter d's measured cost per step, proportional to the largest budget it serves.
+* D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
+  (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
 
 Nodes are added one at a time where the marginal gain alpha_r^(b_r+1) is largest, and the
 best prefix of that order wins, b = 0 included: at high load, where every extra row costs
@@ -20,6 +21,7 @@ real time, nothing is speculated and the engine runs as fast as without speculat
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,6 +30,10 @@ from specserve.cost_model import ForwardCost
 from specserve.sequence import Sequence
 
 PRIOR_STEPS = 4  # a new sequence's acceptance counts its drafter's as this many steps of its own
+# Optimism in the face of uncertainty (UCB): a sequence with few verified steps is credited
+# alpha + EXPLORE / sqrt(1 + steps), so every sequence gets tried and measured, and a drafter
+# judged on a few unlucky steps is not switched off for good.
+EXPLORE = 0.3
 MIN_GAIN = 1e-3  # expected tokens below which another node is not worth considering
 
 
@@ -35,7 +41,6 @@ MIN_GAIN = 1e-3  # expected tokens below which another node is not worth conside
 class _DrafterRecord:
     accepted: int = 0
     rejected: int = 0  # verify steps (each ends in a rejection or the budget's end)
-    seconds_per_node: float | None = None  # draft time per node of the step's largest budget
 
 
 class SpeculationPolicy:
@@ -47,14 +52,6 @@ class SpeculationPolicy:
         self._drafters: dict[int, _DrafterRecord] = {}
 
     # -- measurements -------------------------------------------------------------------------
-
-    def observe_draft(self, drafter: Drafter, seconds: float, max_budget: int) -> None:
-        if max_budget <= 0:
-            return
-        record = self._record(drafter)
-        per_node = seconds / max_budget
-        record.seconds_per_node = per_node if record.seconds_per_node is None else (
-            0.8 * record.seconds_per_node + 0.2 * per_node)
 
     def observe_verify(self, drafter: Drafter, accepted: int) -> None:
         record = self._record(drafter)
@@ -87,9 +84,10 @@ class SpeculationPolicy:
 
     def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int) -> dict[Sequence, int]:
         cost = self.forward_cost
-        alphas = {seq: self.acceptance(seq) for seq, cap in caps.items() if cap > 0}
+        alphas = {seq: min(0.99, self.acceptance(seq) + EXPLORE / math.sqrt(1 + seq.spec.verify_steps))
+                  for seq, cap in caps.items() if cap > 0}
         budgets = dict.fromkeys(caps, 0)
-        deepest: dict[int, int] = {}  # drafter -> largest budget so far
+        deepest: dict[Drafter, int] = {}  # drafter -> largest budget so far
         tokens = float(len(caps))  # the bonus token of every decoding sequence
         total = 0
         draft_seconds = 0.0
@@ -103,10 +101,10 @@ class SpeculationPolicy:
             budgets[seq] += 1
             total += 1
             tokens += -neg_gain
-            key = id(seq.drafter)
-            if budgets[seq] > deepest.get(key, 0):
-                deepest[key] = budgets[seq]
-                draft_seconds += self._record(seq.drafter).seconds_per_node or 0.0
+            drafter = seq.drafter
+            if budgets[seq] > deepest.get(drafter, 0):
+                draft_seconds += drafter.step_cost(budgets[seq]) - drafter.step_cost(deepest.get(drafter, 0))
+                deepest[drafter] = budgets[seq]
             rate = tokens / (cost(base_tokens + total) + draft_seconds)
             if rate > best_rate:
                 best_rate, best = rate, dict(budgets)

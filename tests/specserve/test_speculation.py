@@ -66,12 +66,16 @@ def test_speculation_shrinks_as_the_batch_grows():
     assert totals[0] >= totals[1] > totals[2] == 0
 
 
-def test_measured_draft_cost_is_charged():
-    seq = decoding(0, accepted=30, steps=10)
-    free = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
-    costly = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
-    costly.observe_draft(DRAFTER, seconds=0.4, max_budget=8)  # 50 ms per drafted node: a forward each
-    assert costly.budgets({seq: 8}, 1, 100)[seq] < free.budgets({seq: 8}, 1, 100)[seq]
+class CostlyDrafter(NgramDrafter):
+    def step_cost(self, max_nodes: int) -> float:
+        return 0.05 * max_nodes  # a whole forward per drafted node
+
+
+def test_the_drafters_cost_is_charged():
+    free, costly = decoding(0, accepted=30, steps=10), decoding(1, accepted=30, steps=10)
+    costly.drafter = CostlyDrafter()
+    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    assert policy.budgets({costly: 8}, 1, 100)[costly] < policy.budgets({free: 8}, 1, 100)[free]
 
 
 def test_a_new_sequence_starts_from_its_drafters_acceptance():

@@ -305,6 +305,7 @@ def test_drafter_errors_say_what_to_change(small_vocab_model, small_vocab_draft)
     with pytest.raises(ValueError, match=r"early exit needs K in \[1, 1\]"):
         make_engine(small_vocab_model, draft="early-exit:5")
     with_draft = make_engine(small_vocab_model, draft=str(small_vocab_draft))  # loaded at start: usable per request
-    out = run_batch(with_draft, [PATTERN_PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                                  speculation={"drafter": f"ngram+{small_vocab_draft}"}))
+    merged = {"drafter": f"ngram+{small_vocab_draft}"}
+    out = run_batch(with_draft, [PATTERN_PROMPT],
+                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, speculation=merged))
     assert out[0].metrics.spec.verify_steps > 0
