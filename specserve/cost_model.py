@@ -6,7 +6,7 @@ differs by model, dtype and machine (on a 2-core CPU, 32 rows of SmolLM2 in bf16
 one decode step; on a big batch each extra row costs real time). So the engine times a
 forward of N tokens (after a 128-token context) for N = 1, 2, 4, ... up to its token budget
 at start-up, caches the table under the user cache dir, and interpolates between sizes.
-While serving, the measured step times keep a running correction of the whole curve.
+(While serving, the speculation policy corrects the curve with measured steps.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import platform
 import statistics
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,24 +37,14 @@ class ForwardCost:
 
     sizes: list[int]
     seconds: list[float]
-    scale: float = 1.0  # running measured / predicted ratio while serving
-    _observations: int = field(default=0, repr=False)
 
     def __call__(self, num_tokens: int) -> float:
         n = max(1, num_tokens)
-        i = min(max(bisect_left(self.sizes, n), 1), len(self.sizes) - 1) if len(self.sizes) > 1 else 0
         if len(self.sizes) == 1:
-            return self.scale * self.seconds[0] * n / self.sizes[0]
+            return self.seconds[0] * n / self.sizes[0]
+        i = min(max(bisect_left(self.sizes, n), 1), len(self.sizes) - 1)
         (n0, n1), (t0, t1) = self.sizes[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
-        return self.scale * max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)  # beyond the ends: the end lines
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """Fold a measured step into `scale` (an exponential average; the shape stays calibrated)."""
-        predicted = self(num_tokens) / self.scale
-        ratio = seconds / predicted
-        weight = max(0.05, 1 / (self._observations + 1))
-        self.scale += weight * (ratio - self.scale)
-        self._observations += 1
+        return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)  # beyond the ends: the end segments extended
 
     def to_json(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds}

@@ -192,11 +192,8 @@ class LLMEngine:
         drafts = self._propose(plan.scheduled)
         start = time.perf_counter()
         results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled])
-        elapsed = time.perf_counter() - start
-        self.policy.observe_forward(sum(s.num_tokens for s in plan.scheduled)
-                                    + sum(d.num_drafted for d in drafts.values()), elapsed)
         if drafts:
-            self.metrics.target_s += elapsed
+            self.metrics.target_s += time.perf_counter() - start
 
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         plain: list[tuple[ScheduledSequence, torch.Tensor]] = []
@@ -220,6 +217,8 @@ class LLMEngine:
             tokens = sample(logits, [s.seq.sampling_row() for s, _ in plain])
             for (s, row), token in zip(plain, tokens, strict=True):
                 deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
+        num_tokens = sum(s.num_tokens for s in plan.scheduled) + sum(d.num_drafted for d in drafts.values())
+        self.policy.observe_step(len(plan.scheduled), num_tokens, bool(drafts), time.perf_counter() - start)
         return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
 
     # -- speculation ----------------------------------------------------------------------------

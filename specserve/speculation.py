@@ -9,7 +9,10 @@ maximise the step's expected emitted tokens per second:
   drafted token is accepted with probability alpha_r, the sequence's measured acceptance
   (shrunk toward its drafter's while the sequence has few steps of its own);
 * T: the calibrated cost of a target forward of N tokens (`specserve.cost_model`), N0 the
-  step's tokens without trees (decodes and prompt chunks);
+  step's tokens without trees (decodes and prompt chunks), times a correction learned from
+  measured steps, kept apart for steps with and without trees and by batch size: a batch with
+  trees loses the decode-only fast paths and pays for verification, which a single-chain
+  calibration cannot see;
 * D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
   (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
 
@@ -30,9 +33,10 @@ from specserve.cost_model import ForwardCost
 from specserve.sequence import Sequence
 
 PRIOR_STEPS = 4  # a new sequence's acceptance counts its drafter's as this many steps of its own
-# Optimism in the face of uncertainty (UCB): a sequence with few verified steps is credited
-# alpha + EXPLORE / sqrt(1 + steps), so every sequence gets tried and measured, and a drafter
-# judged on a few unlucky steps is not switched off for good.
+# Optimism in the face of uncertainty (UCB): while a drafter has few verified steps its
+# sequences are credited alpha + EXPLORE / sqrt(1 + steps), so a drafter judged on a few
+# unlucky steps is not switched off for good (per drafter, not per sequence: exploring every
+# new sequence would cost a busy server on every request).
 EXPLORE = 0.3
 MIN_GAIN = 1e-3  # expected tokens below which another node is not worth considering
 
@@ -50,6 +54,7 @@ class SpeculationPolicy:
         self.adaptive = adaptive
         self.forward_cost = forward_cost
         self._drafters: dict[int, _DrafterRecord] = {}
+        self._scales: dict[tuple[bool, int], float] = {}  # (with trees, batch bucket) -> measured / calibrated
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -58,9 +63,22 @@ class SpeculationPolicy:
         record.accepted += accepted
         record.rejected += 1
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        if self.forward_cost is not None:
-            self.forward_cost.observe(num_tokens, seconds)
+    def observe_step(self, num_seqs: int, num_tokens: int, with_trees: bool, seconds: float) -> None:
+        """A step's measured time from its forward to its last emitted token (drafting excluded)."""
+        if self.forward_cost is None:
+            return
+        key = (with_trees, num_seqs.bit_length())
+        ratio = seconds / self.forward_cost(num_tokens)
+        self._scales[key] = ratio if key not in self._scales else 0.9 * self._scales[key] + 0.1 * ratio
+
+    def step_seconds(self, num_seqs: int, num_tokens: int, with_trees: bool) -> float:
+        """Predicted time of a step (without drafting); with trees, unmeasured, it is assumed to
+        cost what a plain step of as many tokens costs (optimism: it then gets measured)."""
+        bucket = num_seqs.bit_length()
+        scale = self._scales.get((False, bucket), 1.0)
+        if with_trees:
+            scale = self._scales.get((True, bucket), scale)
+        return scale * self.forward_cost(num_tokens)
 
     def acceptance(self, seq: Sequence) -> float:
         """alpha: the probability that the next drafted token is accepted, for this sequence."""
@@ -83,15 +101,15 @@ class SpeculationPolicy:
         return self._best_budgets(caps, base_tokens, max_total)
 
     def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int) -> dict[Sequence, int]:
-        cost = self.forward_cost
-        alphas = {seq: min(0.99, self.acceptance(seq) + EXPLORE / math.sqrt(1 + seq.spec.verify_steps))
+        alphas = {seq: min(0.99, self.acceptance(seq) + EXPLORE / math.sqrt(1 + self._record(seq.drafter).rejected))
                   for seq, cap in caps.items() if cap > 0}
         budgets = dict.fromkeys(caps, 0)
         deepest: dict[Drafter, int] = {}  # drafter -> largest budget so far
         tokens = float(len(caps))  # the bonus token of every decoding sequence
         total = 0
         draft_seconds = 0.0
-        best_rate, best = tokens / cost(base_tokens), dict(budgets)
+        plain_seconds = self.step_seconds(len(caps), base_tokens, with_trees=False)
+        best_rate, best = tokens / plain_seconds, dict(budgets)
         heap = [(-alpha, seq.seq_id, seq) for seq, alpha in alphas.items()]
         heapq.heapify(heap)
         while heap and total < max_total:
@@ -105,7 +123,7 @@ class SpeculationPolicy:
             if budgets[seq] > deepest.get(drafter, 0):
                 draft_seconds += drafter.step_cost(budgets[seq]) - drafter.step_cost(deepest.get(drafter, 0))
                 deepest[drafter] = budgets[seq]
-            rate = tokens / (cost(base_tokens + total) + draft_seconds)
+            rate = tokens / (self.step_seconds(len(caps), base_tokens + total, with_trees=True) + draft_seconds)
             if rate > best_rate:
                 best_rate, best = rate, dict(budgets)
             if budgets[seq] < caps[seq]:
