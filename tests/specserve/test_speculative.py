@@ -201,13 +201,17 @@ def small_vocab_draft(tmp_path_factory, small_vocab_model, make_tiny_checkpoint)
 
 
 def test_sampled_draft_model_trees_keep_the_distribution(small_vocab_model, small_vocab_draft, chi_square_two_sample):
-    """Draft-model children sampled from q without replacement, verified against q."""
-    speculative, engine = first_three(small_vocab_model, str(small_vocab_draft), SAMPLING["T=1"], 20_000,
-                                      draft_top_k=2, draft_beam=2)
-    spec = engine.metrics.spec
-    assert spec.accepted_tokens > 0 and len(spec.accepted_at_depth) > 1
-    assert engine.drafter.max_children >= 2 and engine.drafter.sampled_nodes > 1000
-    p_value = chi_square_two_sample(plain_counts(small_vocab_model, "T=1"), speculative)
+    """Draft-model children sampled from q without replacement, verified against q: half the
+    draws from chains (runs of sampled tokens accepted in a row), half from branching trees.
+    Each half is lossless, so together they must match plain sampling too."""
+    chains, chain_engine = first_three(small_vocab_model, str(small_vocab_draft), SAMPLING["T=1"], 10_000,
+                                       draft_top_k=1, draft_beam=1)
+    trees, tree_engine = first_three(small_vocab_model, str(small_vocab_draft), SAMPLING["T=1"], 10_000,
+                                     draft_top_k=2, draft_beam=2)
+    assert len(chain_engine.metrics.spec.accepted_at_depth) > 1, "some steps accept two sampled tokens in a row"
+    assert tree_engine.drafter.max_children >= 2 and tree_engine.metrics.spec.accepted_tokens > 0
+    assert chain_engine.drafter.sampled_nodes > 1000 and tree_engine.drafter.sampled_nodes > 1000
+    p_value = chi_square_two_sample(plain_counts(small_vocab_model, "T=1"), chains + trees)
     assert p_value > 0.01, f"draft-model speculation changed the distribution (p = {p_value:.2e})"
 
 
