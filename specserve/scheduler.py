@@ -87,7 +87,7 @@ class Scheduler:
                 budget -= 1
         prompt_tokens = min(budget, sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1))
         caps = {seq: self._tree_budget(seq) for seq in wanted if seq.drafter is not None}
-        trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget) if caps else {}
+        trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget, num_seqs=len(wanted)) if caps else {}
         budget -= sum(trees.values())
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:

@@ -90,25 +90,28 @@ class SpeculationPolicy:
 
     # -- the decision ---------------------------------------------------------------------------
 
-    def budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int) -> dict[Sequence, int]:
-        """Drafted nodes per sequence (each within its cap, all within `max_total`)."""
+    def budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
+                num_seqs: int | None = None) -> dict[Sequence, int]:
+        """Drafted nodes per sequence (each within its cap, all within `max_total`). `num_seqs`:
+        the step's decoding sequences, speculating or not (default: those in `caps`)."""
         if not self.adaptive or self.forward_cost is None:
             chosen, left = {}, max_total
             for seq, cap in caps.items():
                 chosen[seq] = min(cap, left)
                 left -= chosen[seq]
             return chosen
-        return self._best_budgets(caps, base_tokens, max_total)
+        return self._best_budgets(caps, base_tokens, max_total, len(caps) if num_seqs is None else num_seqs)
 
-    def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int) -> dict[Sequence, int]:
+    def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
+                      num_seqs: int) -> dict[Sequence, int]:
         alphas = {seq: min(0.99, self.acceptance(seq) + EXPLORE / math.sqrt(1 + self._record(seq.drafter).rejected))
                   for seq, cap in caps.items() if cap > 0}
         budgets = dict.fromkeys(caps, 0)
         deepest: dict[Drafter, int] = {}  # drafter -> largest budget so far
-        tokens = float(len(caps))  # the bonus token of every decoding sequence
+        tokens = float(num_seqs)  # every decoding sequence emits at least one token
         total = 0
         draft_seconds = 0.0
-        plain_seconds = self.step_seconds(len(caps), base_tokens, with_trees=False)
+        plain_seconds = self.step_seconds(num_seqs, base_tokens, with_trees=False)
         best_rate, best = tokens / plain_seconds, dict(budgets)
         heap = [(-alpha, seq.seq_id, seq) for seq, alpha in alphas.items()]
         heapq.heapify(heap)
@@ -123,7 +126,7 @@ class SpeculationPolicy:
             if budgets[seq] > deepest.get(drafter, 0):
                 draft_seconds += drafter.step_cost(budgets[seq]) - drafter.step_cost(deepest.get(drafter, 0))
                 deepest[drafter] = budgets[seq]
-            rate = tokens / (self.step_seconds(len(caps), base_tokens + total, with_trees=True) + draft_seconds)
+            rate = tokens / (self.step_seconds(num_seqs, base_tokens + total, with_trees=True) + draft_seconds)
             if rate > best_rate:
                 best_rate, best = rate, dict(budgets)
             if budgets[seq] < caps[seq]:
