@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
+from specserve.outputs import RequestOutput
 from specserve.pull import resolve_model
 from specserve.sampling import SamplingParams
 
@@ -51,16 +52,22 @@ def load_prompts(engine: LLMEngine, questions: Path, count: int, max_prompt_toke
     return prompts
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Submit all prompts at once and run to completion; wall time and per-request latencies."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+                      ) -> tuple[list[RequestOutput], float, float]:
+    """Submit all prompts at once and step until all are finished: (outputs, start time, wall seconds)."""
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"b{i}", ids, params)
     finished = []
     while engine.has_unfinished():
         finished += [o for o in engine.step() if o.finished]
-    wall = time.perf_counter() - start
+    return finished, start, time.perf_counter() - start
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Submit all prompts at once and run to completion; wall time and per-request latencies."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    finished, start, wall = run_to_completion(engine, prompts, params)
     ttft = [o.metrics.first_token_time - start for o in finished]
     tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(1, len(o.outputs[0].token_ids) - 1)
             for o in finished]

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from engine import run_to_completion  # benchmarks/engine.py
 from report import write_report
 from tqdm import tqdm
 
@@ -53,13 +54,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculatio
     """All prompts at once, to completion: wall time, tokens, and speculation counters."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
     first = engine.metrics.steps
-    start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-    outputs = []
-    while engine.has_unfinished():
-        outputs += [o for o in engine.step() if o.finished]
-    wall = time.perf_counter() - start
+    outputs, _, wall = run_to_completion(engine, prompts, params)
     spec = SpecStats()
     for o in outputs:
         spec.add(o.metrics.spec)
