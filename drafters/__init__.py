@@ -27,6 +27,7 @@ class DrafterOptions:
     top_k: int = 4  # children per expanded node
     beam: int = 4  # nodes expanded per draft forward; top_k = beam = 1 drafts a chain
     dtype: str | torch.dtype | None = None  # draft model weights (default: the target's)
+    vocab: int | None = None  # draft models score only the first `vocab` token ids (see DraftModelDrafter)
 
 
 
@@ -59,4 +60,4 @@ def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
         return EarlyExitDrafter(None if part.arg is None else int(part.arg), options.top_k, options.beam)
     from drafters.draft_model import DraftModelDrafter
 
-    return DraftModelDrafter.load(str(part.arg), options.dtype, options.top_k, options.beam)
+    return DraftModelDrafter.load(str(part.arg), options.dtype, options.top_k, options.beam, options.vocab)

@@ -28,6 +28,9 @@ class DraftRequest:
     block_table: Sequence[int] = ()
     temperature: float = 0.0  # the request's: 0 means propose deterministically (greedy verification)
     generator: torch.Generator | None = None  # the request's, so seeded requests stay reproducible
+    # What one emitted token is worth at this step's going rate (seconds per token of the plan
+    # the speculation policy chose; None: no estimate). A drafter spends no more than that.
+    token_seconds: float | None = None
 
 
 @dataclass

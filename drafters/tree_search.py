@@ -8,19 +8,23 @@ one a bushy tree, within the step's node budget: EAGLE-2's dynamic tree.
 
 Losslessness asks different things of the two modes:
 
-* deterministic (greedy requests): a node's top-k children go into one candidate pool; each
-  round takes the best `beam` candidates of the whole pool as new nodes, and when the rounds
-  run out the best remaining candidates fill the budget as leaves. (A round skips candidates
-  a tenth as likely as its best, so that a confident draft grows a chain.) Verification treats
-  every child as a point-mass proposal, which is lossless whatever chose it.
+* deterministic (greedy requests), EAGLE-2's dynamic tree: every expanded node's top-k
+  children become candidates; each round expands the likeliest `beam` of the newest children
+  (skipping those a tenth as likely as the best, so a confident draft grows a chain), and the
+  draft is the best `max_nodes` candidates of all rounds. So a round's forward buys up to
+  beam * top_k candidates, and the tree can be much wider than the rounds it took. A round
+  runs only while its expected accepted tokens are worth its time at the step's going rate
+  (`DraftRequest.token_seconds`, from the speculation policy). Verification treats every
+  child as a point-mass proposal, which is lossless whatever chose it.
 * sampled (T > 0): a node's children are drawn from the draft distribution q without
   replacement and kept in draw order, as many as the budget allows. Verification relies on
   them being exactly such a draw, so which children are kept must not depend on their
   values; only the choice of which nodes to expand is best-first. q goes into the draft.
 
-The tree so far is forwarded whole every round with the verification layout (root at slot
-`len(tokens) - 1`, node i at `+ i`), so every draft forward is a plain tree-attention step;
-on a CPU the repeated rows cost little next to a forward's fixed cost.
+The forwarded tree (deterministic: the expanded nodes; sampled: the whole tree) is run whole
+every round with the verification layout (root at slot `len(tokens) - 1`, node i at `+ i`),
+so every draft forward is a plain tree-attention step; on a CPU the repeated rows cost little
+next to a forward's fixed cost.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import math
 import time
 from abc import abstractmethod
 from collections.abc import Sequence
-from itertools import count
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +43,8 @@ from specserve.model_runner import TreeRequest
 from specserve.tree import TokenTree
 
 # A round expands a candidate only if its path is at least a tenth as likely as the round's
-# best: a confident draft then grows a chain instead of spending the budget on long shots
-# (the leftover budget still takes the best remaining candidates as leaves at the end).
+# best: a confident draft then grows a chain instead of spending its slots on long shots
+# (which still make the tree as leaves if they rank among the best candidates).
 _LOG_MIN_RATIO = math.log(0.1)
 
 
@@ -55,37 +58,42 @@ class TreeSearchDrafter(Drafter):
         self.vocab_size: int | None = None  # the target's, set by attach()
         self.forwards = 0  # draft forwards run so far
         self.round_seconds: float | None = None  # running average of a growth round's forward
+        self.rounds_per_step: float | None = None  # running average of the rounds a step takes
 
     def step_cost(self, max_nodes: int) -> float:
-        """Rounds needed for the largest tree times a round's measured time (0 until measured:
-        the policy then tries speculation and learns what it costs)."""
+        """A round's measured time times the rounds a step takes (a chain of `max_nodes` at
+        most); 0 until measured: the policy then tries speculation and learns what it costs."""
         if self.round_seconds is None or max_nodes <= 0:
             return 0.0
-        first = min(self.top_k, max_nodes)  # the root's round adds up to top_k nodes
-        return self.round_seconds * (1 + math.ceil((max_nodes - first) / max(1, min(self.beam, self.top_k))))
+        return self.round_seconds * min(max_nodes, self.rounds_per_step or 1.0)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         if self.vocab_size is None:
             raise RuntimeError(f"drafter {self.spec!r} was never attached to an engine")
-        searches = [_Search(r, self.top_k, self.beam, self.max_rounds) for r in requests]
+        # Each request pays its share of a round that serves them all.
+        share = None if self.round_seconds is None else self.round_seconds / max(1, len(requests))
+        searches = [_Search(r, self.top_k, self.beam, self.max_rounds, share) for r in requests]
         active = [s for s in searches if s.frontier]
-        first = True
+        rounds = 0
         while active:
             self.forwards += 1
             start = time.perf_counter()
             for search, logits in zip(active, self._forward(active), strict=True):
                 search.expand(logits[:, : self.vocab_size], self.vocab_size)
-            if not first:  # the first round also catches up on new tokens (a whole prompt, at times)
+            if rounds:  # the first round also catches up on new tokens (a whole prompt, at times)
                 elapsed = time.perf_counter() - start
                 self.round_seconds = elapsed if self.round_seconds is None else 0.8 * self.round_seconds + 0.2 * elapsed
-            first = False
+            rounds += 1
             active = [s for s in active if s.next_round()]
+        if rounds:
+            self.rounds_per_step = rounds if self.rounds_per_step is None else 0.8 * self.rounds_per_step + 0.2 * rounds
         return [s.draft() for s in searches]
 
     def _tree_request(self, search: _Search) -> TreeRequest:
         """The tree so far, root at the sequence's last slot; logits for the frontier nodes."""
         request = search.request
-        return TreeRequest(search.tree(), len(request.token_ids) - 1, request.block_table, tuple(search.frontier))
+        tree, frontier = search.forward_tree()
+        return TreeRequest(tree, len(request.token_ids) - 1, request.block_table, tuple(frontier))
 
     @abstractmethod
     def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:
@@ -93,16 +101,26 @@ class TreeSearchDrafter(Drafter):
 
 
 class _Search:
-    """One request's tree as it grows."""
+    """One request's tree as it grows.
 
-    def __init__(self, request: DraftRequest, top_k: int, beam: int, max_rounds: int | None):
+    Deterministic mode keeps every generated child as a *candidate*; only the nodes chosen for
+    expansion are forwarded (`expanded`, the draft's internal tree), and the draft is the best
+    `max_nodes` candidates at the end. Sampled mode keeps every drawn child: the internal tree
+    and the draft are the same tree.
+    """
+
+    def __init__(self, request: DraftRequest, top_k: int, beam: int, max_rounds: int | None,
+                 round_seconds: float | None = None):
         self.request, self.top_k, self.beam, self.max_rounds = request, top_k, beam, max_rounds
+        self.round_seconds = round_seconds
         self.tokens, self.parents, self.depths, self.scores = [int(request.token_ids[-1])], [-1], [0], [0.0]
         self.sampled = request.temperature > 0
         self.probs: dict[int, torch.Tensor] = {}
         self.rounds = 0
-        self._order = count()  # ties in the heaps go to the earlier candidate
-        self._pool: list[tuple[float, int, int, int]] = []  # deterministic: (-score, order, parent, token)
+        self.expanded = [0]  # deterministic: candidates forwarded so far, parents first
+        self._value = 0.0  # deterministic: expected accepted tokens of the best tree so far
+        self._last_gain = math.inf  # what the last round added to that
+        self._newest: list[int] = []  # deterministic: the children of the last round
         self._unexpanded: list[tuple[float, int]] = []  # sampled: (-score, node)
         self.frontier = [0] if request.max_nodes > 0 and request.max_depth > 0 else []
 
@@ -110,25 +128,57 @@ class _Search:
     def remaining(self) -> int:
         return self.request.max_nodes - (len(self.tokens) - 1)
 
-    def tree(self) -> TokenTree:
-        return TokenTree(tuple(self.tokens), tuple(self.parents))
+    def forward_tree(self) -> tuple[TokenTree, list[int]]:
+        """The tree the draft forwards this round and the positions of the frontier in it."""
+        if self.sampled:
+            return TokenTree(tuple(self.tokens), tuple(self.parents)), list(self.frontier)
+        position = {node: i for i, node in enumerate(self.expanded)}
+        tree = TokenTree(tuple(self.tokens[n] for n in self.expanded),
+                         tuple(-1 if n == 0 else position[self.parents[n]] for n in self.expanded))
+        return tree, [position[n] for n in self.frontier]
 
     def draft(self) -> Draft:
-        return Draft(self.tree(), self.probs)
+        if self.sampled:
+            return Draft(TokenTree(tuple(self.tokens), tuple(self.parents)), self.probs)
+        return Draft(self._best_tree())
+
+    def _best_tree(self) -> TokenTree:
+        """The `max_nodes` most likely candidates. A child is never likelier than its parent
+        (ties go to the shallower), so taking them in order keeps every parent in the tree."""
+        order = sorted(range(1, len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n], n))
+        position, tokens, parents = {0: 0}, [self.tokens[0]], [-1]
+        for node in order:
+            if len(tokens) > self.request.max_nodes:
+                break
+            if self.parents[node] in position and self.depths[node] <= self.request.max_depth:
+                position[node] = len(tokens)
+                tokens.append(self.tokens[node])
+                parents.append(position[self.parents[node]])
+        return TokenTree(tuple(tokens), tuple(parents))
 
     def expand(self, logits: torch.Tensor, vocab_size: int) -> None:
         """Children for every frontier node from its row of draft logits."""
         self.rounds += 1
         temperature = self.request.temperature if self.sampled else 1.0
         logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+        self._newest = []
         for node, row in zip(self.frontier, logq, strict=True):
             if self.sampled:
                 self._sample_children(node, row, vocab_size)
             else:
                 values, tokens = row.topk(min(self.top_k, row.numel()))
                 for value, token in zip(values.tolist(), tokens.tolist(), strict=True):
-                    heapq.heappush(self._pool, (-(self.scores[node] + value), next(self._order), node, token))
+                    self._newest.append(self._add(node, token, self.scores[node] + value))
         self.frontier = []
+        if not self.sampled:
+            value = self._expected_accepted()
+            self._value, self._last_gain = value, value - self._value
+
+    def _expected_accepted(self) -> float:
+        """Sum of the best `max_nodes` path probabilities: the expected accepted length of the
+        best tree if the draft's probabilities were the target's (EAGLE-2's estimate)."""
+        best = heapq.nlargest(self.request.max_nodes, self.scores[1:])
+        return sum(math.exp(score) for score in best)
 
     def _sample_children(self, node: int, logq: torch.Tensor, vocab_size: int) -> None:
         k = min(self.top_k, self.remaining)
@@ -151,25 +201,33 @@ class _Search:
         return node
 
     def next_round(self) -> bool:
-        """Pick the next frontier (adding pool candidates as nodes); False when the tree is done."""
-        last = self.max_rounds is not None and self.rounds >= self.max_rounds
+        """Pick the next frontier; False when the tree is done."""
+        if self.max_rounds is not None and self.rounds >= self.max_rounds:
+            return False
         if self.sampled:
-            if last or self.remaining <= 0:
+            if self.remaining <= 0:
                 return False
             while self._unexpanded and len(self.frontier) < self.beam:
                 self.frontier.append(heapq.heappop(self._unexpanded)[1])
             return bool(self.frontier)
-        while self._pool and self.remaining > 0 and not self.frontier:
-            take = self.remaining if last else min(self.beam, self.remaining)
-            best = -self._pool[0][0]
-            for _ in range(min(take, len(self._pool))):
-                if not last and -self._pool[0][0] < best + _LOG_MIN_RATIO:
-                    break  # far less likely than this round's best: wait, better candidates may come
-                neg_score, _, parent, token = heapq.heappop(self._pool)
-                node = self._add(parent, token, -neg_score)
-                if self.depths[node] < self.request.max_depth:
-                    self.frontier.append(node)
-            if last or self.remaining <= 0:
-                self.frontier = []  # leaves: nothing left to expand them into
-                return False
+        # EAGLE-2: expand the likeliest of the newest children (the draft's K/V of a forwarded
+        # node take one of the reserved slots, and the last drafted node never needs them).
+        room = min(self.beam, self.request.max_nodes - len(self.expanded))
+        newest = sorted(self._newest, key=lambda n: -self.scores[n])
+        if room <= 0 or not newest:
+            return False
+        best = self.scores[newest[0]]
+        self.frontier = [n for n in newest[:room]
+                         if self.scores[n] >= best + _LOG_MIN_RATIO and self.depths[n] < self.request.max_depth]
+        if self.frontier and not self._worth_a_round():
+            self.frontier = []
+        self.expanded.extend(self.frontier)
         return bool(self.frontier)
+
+    def _worth_a_round(self) -> bool:
+        """Another round pays if the tokens it should add are worth its time at the step's going
+        rate (`DraftRequest.token_seconds`). Gains shrink round by round (each level's paths
+        are less likely than the last's), so the last round's gain bounds the next one's."""
+        if self.request.token_seconds is None or self.round_seconds is None:
+            return True
+        return self._last_gain * self.request.token_seconds >= self.round_seconds

@@ -24,6 +24,7 @@ class EngineConfig:
     max_tree_tokens: int = 8  # drafted nodes per request and step at most
     draft_top_k: int = 4  # model drafters: children per expanded node (1 with draft_beam 1: a chain)
     draft_beam: int = 4  # model drafters: nodes expanded per draft forward
+    draft_vocab: int | None = None  # draft models: score only the first N token ids (None: all)
     # "adaptive": each step's tree budgets maximise expected tokens/s under the measured cost
     # model; "fixed": every speculating request gets its cap; "off": the plain engine.
     speculation: str = "adaptive"
@@ -42,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"max_tree_tokens must be >= 0, got {self.max_tree_tokens}")
         if self.draft_top_k < 1 or self.draft_beam < 1:
             raise ValueError(f"draft_top_k and draft_beam must be >= 1, got {self.draft_top_k} and {self.draft_beam}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1 (or None for the whole vocabulary), got {self.draft_vocab}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation {self.speculation!r}: use one of {', '.join(SPECULATION_MODES)}")
         from drafters.spec import parse_spec

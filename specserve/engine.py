@@ -71,7 +71,8 @@ class LLMEngine:
         model_config = self.model.config
         block_size = self.config.block_size
         # Drafters load first: a draft model's K/V share the block tables, so they share the pool.
-        self._draft_options = DrafterOptions(self.config.draft_top_k, self.config.draft_beam, self.model.dtype)
+        self._draft_options = DrafterOptions(self.config.draft_top_k, self.config.draft_beam, self.model.dtype,
+                                             self.config.draft_vocab)
         self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
@@ -189,7 +190,7 @@ class LLMEngine:
         for seq in plan.preempted:  # its blocks are gone, and with them any draft K/V
             if seq.drafter is not None:
                 seq.drafter.release(seq.seq_id)
-        drafts = self._propose(plan.scheduled)
+        drafts = self._propose(plan.scheduled, plan.token_seconds)
         start = time.perf_counter()
         results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled])
         if drafts:
@@ -270,7 +271,7 @@ class LLMEngine:
 
         return build_drafter(spec, self._draft_options, part)
 
-    def _propose(self, scheduled: list[ScheduledSequence]) -> dict[int, Draft]:
+    def _propose(self, scheduled: list[ScheduledSequence], token_seconds: float | None) -> dict[int, Draft]:
         """A draft per sequence the scheduler gave a tree budget (none where a drafter found nothing)."""
         groups: dict[int, tuple[Drafter, list[ScheduledSequence]]] = {}
         for s in scheduled:
@@ -282,7 +283,7 @@ class LLMEngine:
             proposed = drafter.propose([
                 DraftRequest(s.seq.seq_id, s.seq.token_ids, max_nodes=s.tree_budget, max_depth=s.tree_budget,
                              block_table=s.seq.block_table.block_ids, temperature=s.seq.params.temperature,
-                             generator=s.seq.generator)
+                             generator=s.seq.generator, token_seconds=token_seconds)
                 for s in group
             ])
             for s, draft in zip(group, proposed, strict=True):

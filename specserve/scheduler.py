@@ -43,6 +43,7 @@ class ScheduledSequence:
 class StepPlan:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    token_seconds: float | None = None  # seconds per emitted token the speculation policy expects
 
     @property
     def num_batched_tokens(self) -> int:
@@ -88,6 +89,7 @@ class Scheduler:
         prompt_tokens = min(budget, sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1))
         caps = {seq: self._tree_budget(seq) for seq in wanted if seq.drafter is not None}
         trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget, num_seqs=len(wanted)) if caps else {}
+        plan.token_seconds = self.policy.token_seconds if trees else None
         budget -= sum(trees.values())
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:

@@ -55,6 +55,9 @@ class SpeculationPolicy:
         self.forward_cost = forward_cost
         self._drafters: dict[int, _DrafterRecord] = {}
         self._scales: dict[tuple[bool, int], float] = {}  # (with trees, batch bucket) -> measured / calibrated
+        # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
+        # deciding whether another draft forward pays (None when not adaptive).
+        self.token_seconds: float | None = None
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class SpeculationPolicy:
                 best_rate, best = rate, dict(budgets)
             if budgets[seq] < caps[seq]:
                 heapq.heappush(heap, (neg_gain * alphas[seq], seq.seq_id, seq))
+        self.token_seconds = 1.0 / best_rate
         return best
 
     def _record(self, drafter: Drafter | None) -> _DrafterRecord:

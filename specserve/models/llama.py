@@ -8,6 +8,7 @@ overhead (see `specserve.models.linear`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Projection(config.hidden_size, [config.vocab_size])
         self.rotary: RotaryEmbedding | None = None  # built after weights are loaded (not on meta)
+        self.output_ids: torch.Tensor | None = None  # the tokens the LM head scores (None: all)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,6 +113,16 @@ class LlamaForCausalLM(nn.Module):
     def init_rotary(self) -> None:
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype)
+
+    def restrict_output_vocab(self, token_ids: torch.Tensor) -> None:
+        """Score only `token_ids` (the rest get -inf logits): a draft model's LM head over its
+        most frequent tokens costs a fraction of the full one (FR-Spec). For drafts only."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).unique()
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"output vocabulary must be token ids in [0, {self.config.vocab_size})")
+        head = Projection(self.config.hidden_size, [ids.numel()])
+        head.load([self.lm_head.blocks[0][ids]], None, pack=self.lm_head.packed is not None)
+        self.lm_head, self.output_ids = head, ids
 
     def forward(
         self,
@@ -136,4 +148,8 @@ class LlamaForCausalLM(nn.Module):
             logits_indices = None
         hidden = self.norm(x)
         selected = hidden if logits_indices is None else hidden[logits_indices]
-        return ForwardOutput(logits=self.lm_head(selected).float(), hidden=hidden if return_hidden else None)
+        logits = self.lm_head(selected).float()
+        if self.output_ids is not None:
+            full = logits.new_full((logits.shape[0], self.config.vocab_size), -math.inf)
+            logits = full.index_copy_(1, self.output_ids, logits)
+        return ForwardOutput(logits=logits, hidden=hidden if return_hidden else None)
