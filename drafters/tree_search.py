@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.base import Draft, Drafter, DraftRequest
+from specserve.cost_model import RecentMedian
 from specserve.model_runner import TreeRequest
 from specserve.tree import TokenTree
 
@@ -57,8 +58,13 @@ class TreeSearchDrafter(Drafter):
         self.top_k, self.beam, self.max_rounds = top_k, beam, max_rounds
         self.vocab_size: int | None = None  # the target's, set by attach()
         self.forwards = 0  # draft forwards run so far
-        self.round_seconds: float | None = None  # running average of a growth round's forward
+        self._round_times = RecentMedian()  # growth rounds' forwards (the first round also catches up)
         self.rounds_per_step: float | None = None  # running average of the rounds a step takes
+
+    @property
+    def round_seconds(self) -> float | None:
+        """A growth round's typical time (None until measured a few times)."""
+        return self._round_times.value
 
     def step_cost(self, max_nodes: int) -> float:
         """A round's measured time times the rounds a step takes (a chain of `max_nodes` at
@@ -81,8 +87,7 @@ class TreeSearchDrafter(Drafter):
             for search, logits in zip(active, self._forward(active), strict=True):
                 search.expand(logits[:, : self.vocab_size], self.vocab_size)
             if rounds:  # the first round also catches up on new tokens (a whole prompt, at times)
-                elapsed = time.perf_counter() - start
-                self.round_seconds = elapsed if self.round_seconds is None else 0.8 * self.round_seconds + 0.2 * elapsed
+                self._round_times.add(time.perf_counter() - start)
             rounds += 1
             active = [s for s in active if s.next_round()]
         if rounds:

@@ -18,6 +18,7 @@ import platform
 import statistics
 import time
 from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,24 @@ from specserve.tree import TokenTree
 
 CALIBRATION_CONTEXT = 128
 REPEATS = 3
+
+
+class RecentMedian:
+    """The median of the last `window` timings, once there are `min_samples` of them (None
+    before). Robust where a running mean is not: the first forward of a new shape (oneDNN
+    builds its kernels) or a noisy neighbour can take several times the usual, and a cost
+    estimate stuck high would stop the very speculation that would measure it again."""
+
+    def __init__(self, window: int = 16, min_samples: int = 3):
+        self._samples: deque[float] = deque(maxlen=window)
+        self.min_samples = min_samples
+
+    def add(self, value: float) -> None:
+        self._samples.append(value)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self._samples) if len(self._samples) >= self.min_samples else None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from drafters.base import Drafter
-from specserve.cost_model import ForwardCost
+from specserve.cost_model import ForwardCost, RecentMedian
 from specserve.sequence import Sequence
 
 PRIOR_STEPS = 4  # a new sequence's acceptance counts its drafter's as this many steps of its own
@@ -54,7 +54,7 @@ class SpeculationPolicy:
         self.adaptive = adaptive
         self.forward_cost = forward_cost
         self._drafters: dict[int, _DrafterRecord] = {}
-        self._scales: dict[tuple[bool, int], float] = {}  # (with trees, batch bucket) -> measured / calibrated
+        self._scales: dict[tuple[bool, int], RecentMedian] = {}  # (with trees, batch bucket) -> measured / calibrated
         # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
         # deciding whether another draft forward pays (None when not adaptive).
         self.token_seconds: float | None = None
@@ -71,17 +71,19 @@ class SpeculationPolicy:
         if self.forward_cost is None:
             return
         key = (with_trees, num_seqs.bit_length())
-        ratio = seconds / self.forward_cost(num_tokens)
-        self._scales[key] = ratio if key not in self._scales else 0.9 * self._scales[key] + 0.1 * ratio
+        self._scales.setdefault(key, RecentMedian()).add(seconds / self.forward_cost(num_tokens))
 
     def step_seconds(self, num_seqs: int, num_tokens: int, with_trees: bool) -> float:
         """Predicted time of a step (without drafting); with trees, unmeasured, it is assumed to
         cost what a plain step of as many tokens costs (optimism: it then gets measured)."""
-        bucket = num_seqs.bit_length()
-        scale = self._scales.get((False, bucket), 1.0)
+        scale = self._scale(False, num_seqs) or 1.0
         if with_trees:
-            scale = self._scales.get((True, bucket), scale)
+            scale = self._scale(True, num_seqs) or scale
         return scale * self.forward_cost(num_tokens)
+
+    def _scale(self, with_trees: bool, num_seqs: int) -> float | None:
+        measured = self._scales.get((with_trees, num_seqs.bit_length()))
+        return None if measured is None else measured.value
 
     def acceptance(self, seq: Sequence) -> float:
         """alpha: the probability that the next drafted token is accepted, for this sequence."""

@@ -69,6 +69,34 @@ def test_nodes_are_the_most_likely_paths_and_respect_budget_and_depth():
         assert int(logq[0].argmax()) in [tree.tokens[c] for c in tree.children[0]]
 
 
+def test_a_round_buys_a_layer_of_candidates_and_the_draft_keeps_the_likeliest():
+    """EAGLE-2: two forwards (root, then its 4 children) yield 4 + 16 candidates, of which the
+    best 12 make the tree: the tree is wider than the rounds it took."""
+    table = torch.zeros(VOCAB, VOCAB)
+    table[:, 2] = 1.0  # token 2 a little likelier after anything
+    drafter = TableDrafter(table, top_k=4, beam=4, max_rounds=2)
+    (draft,) = drafter.propose([request(12)])
+    tree = draft.tree
+    assert drafter.forwards == 2 and len(tree) - 1 == 12
+    assert len(tree.children[0]) == 4 and max(tree.depths) == 2
+    logq = torch.log_softmax(table, -1)
+    score = {n: sum(float(logq[tree.tokens[tree.parents[m]], tree.tokens[m]]) for m in tree.path_to(n)[1:])
+             for n in range(1, len(tree))}
+    left_out = float(logq[0, 0] + logq[0, 0])  # a grandchild path through two unlikely tokens
+    assert min(score.values()) >= left_out - 1e-6, "only the likeliest candidates are kept"
+
+
+def test_a_round_runs_only_while_its_tokens_are_worth_its_time():
+    drafter = TableDrafter(confident_table(), top_k=1, beam=1)
+    for _ in range(3):  # as if measured: a growth round takes 0.1 s
+        drafter._round_times.add(0.1)
+    (cheap,) = drafter.propose([request(6, token_seconds=0.05)])  # a round buys < 1 token: worth < 0.1 s
+    assert drafter.forwards == 1 and cheap.num_drafted == 1
+    (dear,) = drafter.propose([request(6, token_seconds=1.0)])  # each round buys ~0.99 tokens worth ~1 s
+    assert drafter.forwards == 1 + 6 and dear.tree.is_chain and dear.num_drafted == 6
+    assert drafter.rounds_per_step is not None and drafter.step_cost(6) > drafter.step_cost(1) > 0
+
+
 def test_every_request_of_a_step_shares_each_draft_forward():
     drafter = TableDrafter(confident_table(), top_k=1, beam=1)
     drafts = drafter.propose([request(3), request(1), request(0)])

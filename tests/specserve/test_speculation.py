@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from drafters.ngram import NgramDrafter
-from specserve.cost_model import ForwardCost, calibration_sizes
+from specserve.cost_model import ForwardCost, RecentMedian, calibration_sizes
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence
@@ -88,6 +88,30 @@ def test_measured_steps_correct_the_curve_and_trees_that_slow_steps_down_stop():
     assert policy.step_seconds(32, 32, with_trees=False) == pytest.approx(FLAT(32), rel=0.01)
     assert sum(policy.budgets(dict.fromkeys(seqs, 8), 32, 1024).values()) == 0
     assert policy.budgets({seqs[0]: 8}, 1, 1024)[seqs[0]] > 0  # batch 1 was never measured slower
+
+
+def test_one_slow_step_does_not_switch_speculation_off_for_good():
+    """A warm-up outlier (a new shape's first forward) must not leave trees looking dear: with
+    no trees, nothing would measure them again."""
+    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    seq = decoding(0, accepted=30, steps=10)
+    policy.observe_step(1, 9, with_trees=True, seconds=20 * FLAT(9))
+    assert policy.budgets({seq: 8}, 1, 1024)[seq] > 0
+    for _ in range(3):
+        policy.observe_step(1, 9, with_trees=True, seconds=FLAT(9))
+    assert policy.step_seconds(1, 9, with_trees=True) == pytest.approx(FLAT(9))
+
+
+def test_recent_median_waits_for_samples_and_ignores_outliers():
+    times = RecentMedian(window=4, min_samples=3)
+    times.add(5.0)
+    times.add(0.1)
+    assert times.value is None
+    times.add(0.2)
+    assert times.value == 0.2
+    for value in (0.3, 0.3, 0.3):  # the window forgets the oldest
+        times.add(value)
+    assert times.value == pytest.approx(0.3)
 
 
 def test_a_new_sequence_starts_from_its_drafters_acceptance():

@@ -195,6 +195,28 @@ def test_hidden_states_are_the_final_normed_states(tiny_checkpoint):
     torch.testing.assert_close(out.hidden, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_restricted_output_vocabulary_scores_only_its_tokens(tiny_checkpoint, dtype):
+    """A draft's cheaper LM head: the same logits on the kept tokens, -inf on the rest."""
+    path = tiny_checkpoint("qwen2")
+    full, restricted = load_model(path, dtype), load_model(path, dtype)
+    kept = torch.tensor([0, 5, 6, 7, 100, 210])
+    restricted.restrict_output_vocab(torch.cat([kept, kept[:2]]))  # duplicates are harmless
+    tree = TokenTree(tuple(range(3, 12)), BRANCHING)
+    logits = []
+    for model in (full, restricted):
+        runner = ModelRunner(model, KVCache.for_model(model.config, 8, 4, dtype))
+        logits.append(runner.forward([TreeRequest(tree, 0, list(range(8)))])[0].logits)
+    expected, got = logits
+    assert got.shape == expected.shape == (len(tree), 211)
+    torch.testing.assert_close(got[:, kept], expected[:, kept], atol=0, rtol=0)
+    outside = torch.ones(211, dtype=torch.bool)
+    outside[kept] = False
+    assert torch.isneginf(got[:, outside]).all()
+    with pytest.raises(ValueError, match=r"token ids in \[0, 211\)"):
+        full.restrict_output_vocab(torch.tensor([3, 211]))
+
+
 def test_unsupported_configs_say_what_is_supported(tiny_checkpoint):
     from specserve.models.config import ModelConfig
 
