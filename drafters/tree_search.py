@@ -115,9 +115,9 @@ class _Search:
     """
 
     def __init__(self, request: DraftRequest, top_k: int, beam: int, max_rounds: int | None,
-                 round_seconds: float | None = None):
+                 round_share: float | None = None):
         self.request, self.top_k, self.beam, self.max_rounds = request, top_k, beam, max_rounds
-        self.round_seconds = round_seconds
+        self.round_share = round_share  # this request's share of a round's time (None: unmeasured)
         self.tokens, self.parents, self.depths, self.scores = [int(request.token_ids[-1])], [-1], [0], [0.0]
         self.sampled = request.temperature > 0
         self.probs: dict[int, torch.Tensor] = {}
@@ -233,6 +233,6 @@ class _Search:
         """Another round pays if the tokens it should add are worth its time at the step's going
         rate (`DraftRequest.token_seconds`). Gains shrink round by round (each level's paths
         are less likely than the last's), so the last round's gain bounds the next one's."""
-        if self.request.token_seconds is None or self.round_seconds is None:
+        if self.request.token_seconds is None or self.round_share is None:
             return True
-        return self._last_gain * self.request.token_seconds >= self.round_seconds
+        return self._last_gain * self.request.token_seconds >= self.round_share
