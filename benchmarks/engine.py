@@ -34,14 +34,20 @@ RESULTS = Path(__file__).parent / "results"
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_questions.jsonl"
 
 
-def load_prompts(engine: LLMEngine, questions: Path, count: int, max_prompt_tokens: int) -> list[list[int]]:
-    """The first `count` questions (round-robin over categories) that fit `max_prompt_tokens`."""
-    if not questions.exists():
-        raise SystemExit(f"{questions} not found: pass --questions PATH to Spec-Bench's question.jsonl")
+def spec_bench_questions(path: Path) -> dict[str, list[str]]:
+    """First turns of Spec-Bench's questions by category, in file order."""
+    if not path.exists():
+        raise SystemExit(f"{path} not found: pass --questions PATH to Spec-Bench's question.jsonl")
     by_category: dict[str, list[str]] = {}
-    for line in questions.read_text().splitlines():
+    for line in path.read_text().splitlines():
         q = json.loads(line)
         by_category.setdefault(q["category"], []).append(q["turns"][0])
+    return by_category
+
+
+def load_prompts(engine: LLMEngine, questions: Path, count: int, max_prompt_tokens: int) -> list[list[int]]:
+    """The first `count` questions (round-robin over categories) that fit `max_prompt_tokens`."""
+    by_category = spec_bench_questions(questions)
     prompts: list[list[int]] = []
     for i in range(max(map(len, by_category.values()))):
         for turns in by_category.values():

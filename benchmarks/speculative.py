@@ -18,14 +18,14 @@ EOS is ignored everywhere so that every run generates the same number of tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from engine import run_to_completion  # benchmarks/engine.py
+from engine import SPEC_BENCH, run_to_completion  # benchmarks/engine.py
+from engine import spec_bench_questions as questions
 from report import write_report
 from tqdm import tqdm
 
@@ -36,18 +36,6 @@ from specserve.sampling import SamplingParams
 from specserve.sequence import SpecStats
 
 RESULTS = Path(__file__).parent / "results"
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_questions.jsonl"
-
-
-def questions(path: Path) -> dict[str, list[str]]:
-    """First turns of Spec-Bench's questions by category, in file order."""
-    if not path.exists():
-        raise SystemExit(f"{path} not found: pass --questions PATH to Spec-Bench's question.jsonl")
-    by_category: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        by_category.setdefault(q["category"], []).append(q["turns"][0])
-    return by_category
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculation: dict | None) -> dict:
