@@ -58,15 +58,27 @@ def load_prompts(engine: LLMEngine, questions: Path, count: int, max_prompt_toke
     return prompts
 
 
-def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
-                      ) -> tuple[list[RequestOutput], float, float]:
-    """Submit all prompts at once and step until all are finished: (outputs, start time, wall seconds)."""
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                      concurrency: int | None = None) -> tuple[list[RequestOutput], float, float]:
+    """Run every prompt to completion: (outputs, start time, wall seconds). All are submitted at
+    once, or, with `concurrency`, that many clients each send their next prompt as soon as
+    their last one finished (a closed loop, like a serving benchmark's concurrency limit)."""
     start = time.perf_counter()
-    for i, ids in enumerate(prompts):
+    queue = list(enumerate(prompts))[::-1]
+
+    def submit() -> None:
+        i, ids = queue.pop()
         engine.add_request(f"b{i}", ids, params)
+
+    for _ in range(min(concurrency or len(prompts), len(prompts))):
+        submit()
     finished = []
     while engine.has_unfinished():
-        finished += [o for o in engine.step() if o.finished]
+        for output in engine.step():
+            if output.finished:
+                finished.append(output)
+                if queue:
+                    submit()
     return finished, start, time.perf_counter() - start
 
 

@@ -7,8 +7,9 @@
     warm-up of each; the median over prompts (x repeats) is reported.
 (b) SmolLM2 with early exit and n-gram drafters on Spec-Bench (all 13 categories, first turn,
     64 new tokens, batch 1): speed-up over specserve without speculation and MAT, per category.
-(c) SmolLM2 at 1, 8, 32 and 64 concurrent requests: aggregate tok/s with and without
-    speculation (adaptive tree budgets), interleaved, median of repeats.
+(c) SmolLM2 at 1, 8, 32 and 64 concurrent requests (closed-loop clients over at least 13
+    questions, one per category): aggregate tok/s with and without speculation (adaptive
+    tree budgets), interleaved, median of repeats.
 
 EOS is ignored everywhere so that every run generates the same number of tokens.
 
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine import SPEC_BENCH, run_to_completion  # benchmarks/engine.py
+from engine import SPEC_BENCH, load_prompts, run_to_completion  # benchmarks/engine.py
 from engine import spec_bench_questions as questions
 from report import write_report
 from tqdm import tqdm
@@ -38,11 +39,13 @@ from specserve.sequence import SpecStats
 RESULTS = Path(__file__).parent / "results"
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculation: dict | None) -> dict:
-    """All prompts at once, to completion: wall time, tokens, and speculation counters."""
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculation: dict | None,
+        concurrency: int | None = None) -> dict:
+    """All prompts (at most `concurrency` at a time) to completion: wall time, tokens, and
+    speculation counters."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
     first = engine.metrics.steps
-    outputs, _, wall = run_to_completion(engine, prompts, params)
+    outputs, _, wall = run_to_completion(engine, prompts, params, concurrency)
     spec = SpecStats()
     for o in outputs:
         spec.add(o.metrics.spec)
@@ -68,7 +71,8 @@ def part_a(args) -> None:
 
     target, draft = resolve_model(args.target), resolve_model(args.draft)
     engine = LLMEngine(target, "bfloat16", EngineConfig(draft=str(draft), speculation=args.speculation,
-                                                         kv_cache_memory="1GiB", draft_vocab=args.draft_vocab or None))
+                                                         kv_cache_memory="1GiB", draft_vocab=args.draft_vocab or None,
+                                                         draft_quantization=args.draft_quantization))
     dtype = torch.bfloat16
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).eval()
     assistant = AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype).eval()
@@ -122,6 +126,7 @@ def part_a(args) -> None:
                  for name in ("transformers greedy", "specserve chain", "specserve tree")}
     result = {"machine": _machine(), "target": args.target, "draft": args.draft, "prompts": len(prompts),
               "max_tokens": args.max_tokens_a, "repeats": args.repeats, "shapes": shapes,
+              "draft_vocab": args.draft_vocab, "draft_quantization": args.draft_quantization,
               "speculation": args.speculation, "summary": summary, "identical_to_no_spec": same,
               "agreement_with_no_spec": agreement,
               "runs": {k: [{x: y for x, y in r.items() if x != "token_ids"} for r in v] for k, v in runs.items()}}
@@ -130,7 +135,8 @@ def part_a(args) -> None:
     caption = (f"(a) {args.target} + {args.draft} draft, bfloat16, {torch.get_num_threads()} threads: "
                f"Spec-Bench coding ({len(prompts)} prompts), {args.max_tokens_a} new tokens, batch 1, median over "
                f"prompts x {args.repeats}. Chain: top-k 1, cap {shapes['chain'][2]}; tree: top-k {args.top_k}, "
-               f"beam {args.beam}, cap {args.tree_tokens}; draft vocabulary {args.draft_vocab or 'all'}; "
+               f"beam {args.beam}, cap {args.tree_tokens}; draft vocabulary {args.draft_vocab or 'all'}, "
+               f"draft projections {args.draft_quantization}; "
                f"speculation {args.speculation}. Speculative tokens "
                f"identical to no-spec: {same}; mean share of tokens before the first difference from no-spec: "
                + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items()) + ".")
@@ -191,8 +197,10 @@ def part_c(args) -> None:
     engine = LLMEngine(resolve_model(args.model), "bfloat16",
                        EngineConfig(draft=args.draft_c, speculation=args.speculation, kv_cache_memory="2GiB",
                                     max_num_seqs=max(levels), max_tree_tokens=args.tree_tokens))
-    pool = [engine.encode(q, chat=True) for qs in questions(args.questions).values() for q in qs[:8]]
-    pool = [p for p in pool if len(p) <= 384]
+    # Round-robin over the categories, and at least `--requests-c` requests per level from a
+    # closed loop of `c` clients: even one client sees every category, not one question's luck.
+    workload = {c: max(c, args.requests_c) for c in levels}
+    pool = load_prompts(engine, args.questions, max(workload.values()), max_prompt_tokens=384)
     configs = {"no-spec": {"enabled": False}, args.draft_c: None}
     for spec in configs.values():
         run(engine, pool[:8], 8, spec)
@@ -200,7 +208,7 @@ def part_c(args) -> None:
     for _ in tqdm(range(args.repeats), desc="(c) repeats", unit="rep"):
         for c in levels:
             for name, spec in configs.items():
-                runs[c][name].append(run(engine, pool[:c], args.max_tokens_b, spec))
+                runs[c][name].append(run(engine, pool[: workload[c]], args.max_tokens_b, spec, concurrency=c))
     summary, rows = {}, []
     for c, by_config in runs.items():
         plain = median([r["tok_s"] for r in by_config["no-spec"]])
@@ -212,8 +220,9 @@ def part_c(args) -> None:
         rows.append([str(c), f"{plain:.1f}", f"{spec:.1f}", f"{spec / plain:.2f}x", str(drafted),
                      "-" if not mats else f"{median(mats):.2f}"])
     result = {"machine": _machine(), "model": args.model, "draft": args.draft_c, "max_tokens": args.max_tokens_b,
-              "repeats": args.repeats, "speculation": args.speculation, "summary": summary}
-    caption = (f"(c) {args.model}, bfloat16, {args.max_tokens_b} new tokens per request, all submitted at once; "
+              "requests": workload, "repeats": args.repeats, "speculation": args.speculation, "summary": summary}
+    caption = (f"(c) {args.model}, bfloat16, {args.max_tokens_b} new tokens per request; c clients in a closed loop "
+               f"send max(c, {args.requests_c}) Spec-Bench questions (round-robin over categories); "
                f"`{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) vs no speculation, "
                f"median of {args.repeats} interleaved repeats.")
     write_report(args.out + "-c", result, caption,
@@ -239,12 +248,15 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--draft-vocab", type=int, default=32768, help="(a) draft LM head over the first N ids; 0: all")
+    parser.add_argument("--draft-quantization", default="int8", choices=["int8", "none"],
+                        help="(a) specserve's draft projections (transformers' assistant stays bf16)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--early-exit", type=int, default=15)
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-tokens-b", type=int, default=64)
     parser.add_argument("--draft-c", default="ngram")
     parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--requests-c", type=int, default=13, help="(c) requests per level at least (one per category)")
     parser.add_argument("--out", default=str(RESULTS / "speculative"))
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ class DrafterOptions:
     beam: int = 4  # nodes expanded per draft forward; top_k = beam = 1 drafts a chain
     dtype: str | torch.dtype | None = None  # draft model weights (default: the target's)
     vocab: int | None = None  # draft models score only the first `vocab` token ids (see DraftModelDrafter)
+    quantization: str | None = None  # draft models: "int8" projections (see DraftModelDrafter.load)
 
 
 
@@ -60,4 +61,5 @@ def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
         return EarlyExitDrafter(None if part.arg is None else int(part.arg), options.top_k, options.beam)
     from drafters.draft_model import DraftModelDrafter
 
-    return DraftModelDrafter.load(str(part.arg), options.dtype, options.top_k, options.beam, options.vocab)
+    return DraftModelDrafter.load(str(part.arg), options.dtype, options.top_k, options.beam, options.vocab,
+                                  options.quantization)

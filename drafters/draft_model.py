@@ -30,9 +30,11 @@ class DraftModelDrafter(TreeSearchDrafter):
 
     @classmethod
     def load(cls, name_or_path: str, dtype: str | torch.dtype | None, top_k: int = 4, beam: int = 4,
-             vocab: int | None = None) -> DraftModelDrafter:
+             vocab: int | None = None, quantization: str | None = None) -> DraftModelDrafter:
         """A known model name (pulled on first use), an HF directory or a .gguf file. `vocab`:
-        score only the first `vocab` token ids and the model's special tokens (see below)."""
+        score only the first `vocab` token ids and the model's special tokens (see below).
+        `quantization="int8"`: int8 projections for draft forwards (a third faster on a CPU,
+        where they are bandwidth-bound; the target verifies every token either way)."""
         from specserve.models.loader import load_model
         from specserve.pull import resolve_model
 
@@ -40,6 +42,10 @@ class DraftModelDrafter(TreeSearchDrafter):
         model = load_model(path, dtype)
         if vocab is not None and vocab < model.config.vocab_size:
             model.restrict_output_vocab(frequent_tokens(model, vocab))
+        if quantization == "int8":
+            model.quantize_int8()
+        elif quantization is not None:
+            raise ValueError(f"draft quantization {quantization!r}: use int8 or none")
         return cls(model, name_or_path, top_k, beam)
 
     def kv_bytes_per_block(self, block_size: int) -> int:

@@ -117,6 +117,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="model drafters: nodes expanded per draft forward (top-k 1 and beam 1: a chain)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft models: score only the N most frequent token ids (a cheaper LM head; default: all)")
+    p.add_argument("--draft-quantization", choices=["int8", "none"], default=None,
+                   help="draft models: int8 projections, a third faster on a CPU (default: none)")
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2); "
                         f"default {DEFAULT_KV_CACHE_MEMORY}")
@@ -128,7 +130,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments: the --config file's settings, then the flags given."""
     settings = load_config_file(args.config) if args.config else {}
     for name in ("target", "draft", "speculation", "max_tree_tokens", "draft_top_k", "draft_beam", "draft_vocab",
-                 "kv_cache_memory", "dtype"):
+                 "draft_quantization", "kv_cache_memory", "dtype"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     settings.setdefault("target", DEFAULT_TARGET)

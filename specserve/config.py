@@ -8,6 +8,7 @@ from pathlib import Path
 
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 SPECULATION_MODES = ("adaptive", "fixed", "off")
+DRAFT_QUANTIZATIONS = ("int8",)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -25,6 +26,7 @@ class EngineConfig:
     draft_top_k: int = 4  # model drafters: children per expanded node (1 with draft_beam 1: a chain)
     draft_beam: int = 4  # model drafters: nodes expanded per draft forward
     draft_vocab: int | None = None  # draft models: score only the first N token ids (None: all)
+    draft_quantization: str | None = None  # draft models: "int8" projections (None: the draft's dtype)
     # "adaptive": each step's tree budgets maximise expected tokens/s under the measured cost
     # model; "fixed": every speculating request gets its cap; "off": the plain engine.
     speculation: str = "adaptive"
@@ -45,6 +47,11 @@ class EngineConfig:
             raise ValueError(f"draft_top_k and draft_beam must be >= 1, got {self.draft_top_k} and {self.draft_beam}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ValueError(f"draft_vocab must be >= 1 (or None for the whole vocabulary), got {self.draft_vocab}")
+        if self.draft_quantization == "none":
+            self.draft_quantization = None
+        if self.draft_quantization not in (None, *DRAFT_QUANTIZATIONS):
+            raise ValueError(f"draft_quantization {self.draft_quantization!r}: use "
+                             f"{', '.join(DRAFT_QUANTIZATIONS)} or none")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation {self.speculation!r}: use one of {', '.join(SPECULATION_MODES)}")
         from drafters.spec import parse_spec

@@ -17,11 +17,11 @@ import os
 import platform
 import statistics
 import time
-from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specserve.block_manager import BlockManager, BlockTable
@@ -57,13 +57,25 @@ class ForwardCost:
     sizes: list[int]
     seconds: list[float]
 
+    def __post_init__(self) -> None:
+        self._sizes = np.asarray(self.sizes, np.float64)
+        # Non-decreasing: a forward of more tokens never costs less. Timing noise at the small
+        # sizes (where rows are nearly free) can say otherwise, and a curve with T(2) < T(1)
+        # would have the policy draft a node to save time.
+        self._seconds = np.maximum.accumulate(np.asarray(self.seconds, np.float64))
+
     def __call__(self, num_tokens: int) -> float:
-        n = max(1, num_tokens)
-        if len(self.sizes) == 1:
-            return self.seconds[0] * n / self.sizes[0]
-        i = min(max(bisect_left(self.sizes, n), 1), len(self.sizes) - 1)
-        (n0, n1), (t0, t1) = self.sizes[i - 1 : i + 1], self.seconds[i - 1 : i + 1]
-        return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)  # beyond the ends: the end segments extended
+        return float(self.many(np.array([num_tokens]))[0])
+
+    def many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Seconds for each forward size in `num_tokens` (beyond the ends: the end segments extended)."""
+        n = np.maximum(num_tokens, 1).astype(np.float64)
+        sizes, seconds = self._sizes, self._seconds
+        if len(sizes) == 1:
+            return seconds[0] * n / sizes[0]
+        i = np.minimum(np.maximum(np.searchsorted(sizes, n), 1), len(sizes) - 1)
+        n0, n1, t0, t1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
+        return np.maximum(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)
 
     def to_json(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds}

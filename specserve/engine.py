@@ -72,7 +72,7 @@ class LLMEngine:
         block_size = self.config.block_size
         # Drafters load first: a draft model's K/V share the block tables, so they share the pool.
         self._draft_options = DrafterOptions(self.config.draft_top_k, self.config.draft_beam, self.model.dtype,
-                                             self.config.draft_vocab)
+                                             self.config.draft_vocab, self.config.draft_quantization)
         self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)

@@ -16,17 +16,18 @@ maximise the step's expected emitted tokens per second:
 * D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
   (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
 
-Nodes are added one at a time where the marginal gain alpha_r^(b_r+1) is largest, and the
-best prefix of that order wins, b = 0 included: at high load, where every extra row costs
+Nodes are ordered by marginal gain (alpha_r^k for sequence r's k-th node), and the best
+prefix of that order wins, b = 0 included: at high load, where every extra row costs
 real time, nothing is speculated and the engine runs as fast as without speculation.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from drafters.base import Drafter
 from specserve.cost_model import ForwardCost, RecentMedian
@@ -74,12 +75,16 @@ class SpeculationPolicy:
         self._scales.setdefault(key, RecentMedian()).add(seconds / self.forward_cost(num_tokens))
 
     def step_seconds(self, num_seqs: int, num_tokens: int, with_trees: bool) -> float:
-        """Predicted time of a step (without drafting); with trees, unmeasured, it is assumed to
-        cost what a plain step of as many tokens costs (optimism: it then gets measured)."""
-        scale = self._scale(False, num_seqs) or 1.0
-        if with_trees:
-            scale = self._scale(True, num_seqs) or scale
-        return scale * self.forward_cost(num_tokens)
+        """Predicted time of a step (without drafting)."""
+        plain, trees = self._step_scales(num_seqs)
+        return (trees if with_trees else plain) * self.forward_cost(num_tokens)
+
+    def _step_scales(self, num_seqs: int) -> tuple[float, float]:
+        """Measured / calibrated step time, for steps without and with trees. With trees,
+        unmeasured, a step is assumed to cost what a plain step of as many tokens costs
+        (optimism: it then gets measured)."""
+        plain = self._scale(False, num_seqs) or 1.0
+        return plain, self._scale(True, num_seqs) or plain
 
     def _scale(self, with_trees: bool, num_seqs: int) -> float | None:
         measured = self._scales.get((with_trees, num_seqs.bit_length()))
@@ -109,35 +114,62 @@ class SpeculationPolicy:
 
     def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
                       num_seqs: int) -> dict[Sequence, int]:
-        alphas = {seq: min(0.99, self.acceptance(seq) + EXPLORE / math.sqrt(1 + self._record(seq.drafter).rejected))
-                  for seq, cap in caps.items() if cap > 0}
         budgets = dict.fromkeys(caps, 0)
-        deepest: dict[Drafter, int] = {}  # drafter -> largest budget so far
-        tokens = float(num_seqs)  # every decoding sequence emits at least one token
-        total = 0
-        draft_seconds = 0.0
-        plain_seconds = self.step_seconds(num_seqs, base_tokens, with_trees=False)
-        best_rate, best = tokens / plain_seconds, dict(budgets)
-        heap = [(-alpha, seq.seq_id, seq) for seq, alpha in alphas.items()]
-        heapq.heapify(heap)
-        while heap and total < max_total:
-            neg_gain, _, seq = heapq.heappop(heap)
-            if -neg_gain < MIN_GAIN:
-                break
-            budgets[seq] += 1
-            total += 1
-            tokens += -neg_gain
-            drafter = seq.drafter
-            if budgets[seq] > deepest.get(drafter, 0):
-                draft_seconds += drafter.step_cost(budgets[seq]) - drafter.step_cost(deepest.get(drafter, 0))
-                deepest[drafter] = budgets[seq]
-            rate = tokens / (self.step_seconds(num_seqs, base_tokens + total, with_trees=True) + draft_seconds)
-            if rate > best_rate:
-                best_rate, best = rate, dict(budgets)
-            if budgets[seq] < caps[seq]:
-                heapq.heappush(heap, (neg_gain * alphas[seq], seq.seq_id, seq))
-        self.token_seconds = 1.0 / best_rate
-        return best
+        # The scales once per decision: each is a median of recent steps, too dear to take per node.
+        plain_scale, tree_scale = self._step_scales(num_seqs)
+        plain_rate = num_seqs / (plain_scale * self.forward_cost(base_tokens))  # each emits >= 1 token
+        self.token_seconds = 1.0 / plain_rate
+        seqs = [seq for seq, cap in caps.items() if cap > 0]
+        if not seqs or max_total <= 0:
+            return budgets
+        order = _nodes_by_gain([self._credited_alpha(seq) for seq in seqs], [caps[seq] for seq in seqs],
+                               [seq.seq_id for seq in seqs], max_total)
+        rows, depths, gains = order
+        if not len(rows):
+            return budgets
+        # Rate of every prefix of that order at once (vectorised: this runs every step, for
+        # up to max_num_seqs x cap nodes).
+        tokens = num_seqs + np.cumsum(gains)
+        seconds = tree_scale * self.forward_cost.many(base_tokens + np.arange(1, len(rows) + 1))
+        seconds += self._draft_seconds(seqs, rows, depths)
+        rates = tokens / seconds
+        best = int(np.argmax(rates))
+        if rates[best] <= plain_rate:
+            return budgets
+        self.token_seconds = 1.0 / float(rates[best])
+        for row, count in enumerate(np.bincount(rows[: best + 1], minlength=len(seqs))):
+            budgets[seqs[row]] = int(count)
+        return budgets
+
+    def _credited_alpha(self, seq: Sequence) -> float:
+        """Acceptance plus the drafter's exploration credit (see EXPLORE)."""
+        explore = EXPLORE / math.sqrt(1 + self._record(seq.drafter).rejected)
+        return min(0.99, self.acceptance(seq) + explore)
+
+    @staticmethod
+    def _draft_seconds(seqs: list[Sequence], rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """Drafting time of every prefix of the node order: each drafter grows its deepest tree
+        so far (`Drafter.step_cost` of that size), summed over the step's drafters."""
+        drafters: dict[Drafter, int] = {}
+        drafter_of = np.array([drafters.setdefault(seq.drafter, len(drafters)) for seq in seqs])[rows]
+        seconds = np.zeros(len(rows))
+        for drafter, index in drafters.items():
+            deepest = np.maximum.accumulate(np.where(drafter_of == index, depths, 0))
+            table = np.array([drafter.step_cost(n) for n in range(int(deepest[-1]) + 1)])
+            seconds += table[deepest]
+        return seconds
 
     def _record(self, drafter: Drafter | None) -> _DrafterRecord:
         return self._drafters.setdefault(id(drafter), _DrafterRecord())
+
+
+def _nodes_by_gain(alphas: list[float], caps: list[int], seq_ids: list[int],
+                   max_total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (sequence row, k-th drafted node) whose marginal gain alpha^k is at least MIN_GAIN,
+    best first (ties: older sequence first), at most `max_total`: (rows, k, gains)."""
+    depth = np.arange(1, max(caps) + 1)
+    gains = np.asarray(alphas)[:, None] ** depth[None, :]
+    rows, cols = np.nonzero((depth[None, :] <= np.asarray(caps)[:, None]) & (gains >= MIN_GAIN))
+    gains = gains[rows, cols]
+    order = np.lexsort((cols, np.asarray(seq_ids)[rows], -gains))[:max_total]
+    return rows[order], cols[order] + 1, gains[order]

@@ -11,6 +11,9 @@
   gives bit-identical results (oneDNN picks its accumulation order by shape, and both the fused
   and the packed matmuls round differently from transformers' at a few hundred rows).
 
+A draft model may also quantize its projections to int8 (`Projection.quantize_int8`): small
+steps then read half the bytes. Drafts only, since it changes the outputs a little.
+
 In packed mode the plain blocks are zero-copy views of the memory-mapped checkpoint: file-backed
 pages the kernel can drop under pressure, touched only by large steps.
 """
@@ -18,6 +21,7 @@ pages the kernel can drop under pressure, touched only by large steps.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +54,7 @@ class Projection(nn.Module):
         self.fused: torch.Tensor | None = None  # plain fused weight (unpacked mode)
         self.packed: torch.Tensor | None = None  # oneDNN-packed fused weight (packed mode)
         self.fused_bias: torch.Tensor | None = None
+        self.int8: torch.ScriptObject | None = None  # fbgemm-packed int8 fused weight (drafts only)
 
     def load(self, blocks: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None, pack: bool) -> None:
         """Take the checkpoint's weights (one per block, in order); `pack` selects packed mode."""
@@ -66,8 +71,25 @@ class Projection(nn.Module):
             self.fused = fused
             self.blocks = list(fused.split(self.out_sizes))
 
+    def quantize_int8(self) -> None:
+        """Small steps from now on run an int8 matmul (per-output-channel weight scales, activations
+        quantized per call): half the bytes of bf16 to read, for a draft model whose forwards are
+        bandwidth-bound. It changes the outputs slightly, so it is for drafts only, whose tokens
+        the target verifies anyway. Large steps keep the plain weights."""
+        weight = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)).float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+        zero_points = torch.zeros(len(scales), dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated; torch is pinned (2.13) and has them
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        bias = None if self.fused_bias is None else self.fused_bias.float()
+        self.int8 = torch.ops.quantized.linear_prepack(quantized, bias)
+        self.packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < LARGE_STEP_TOKENS:
+            if self.int8 is not None:  # reduce_range: fbgemm's 7-bit activations, which cannot overflow
+                return torch.ops.quantized.linear_dynamic(x.float(), self.int8, True).to(x.dtype)
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.fused_bias, "none", [], "")
             return F.linear(x, self.fused, self.fused_bias)

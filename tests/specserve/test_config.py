@@ -56,6 +56,9 @@ def test_config_files_refuse_unknown_settings(tmp_path):
     path.write_text("draft_vocab: 0\n")
     with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
         load_config_file(path)
+    path.write_text("draft_quantization: int4\n")
+    with pytest.raises(ValueError, match="draft_quantization 'int4': use int8 or none"):
+        load_config_file(path)
     path.write_text("speculation: sometimes\n")
     with pytest.raises(ValueError, match="use one of adaptive, fixed, off"):
         load_config_file(path)
@@ -70,5 +73,7 @@ def test_flags_override_the_config_file(tmp_path):
     assert engine_settings(args) == {"target": "smollm2-135m-instruct", "draft": "early-exit:6", "max_tree_tokens": 4}
     args = build_parser().parse_args(["generate", "hi", "--config", str(path), "--draft-vocab", "32768"])
     assert engine_settings(args)["draft_vocab"] == 32768
+    args = build_parser().parse_args(["generate", "hi", "--draft-quantization", "int8"])
+    assert engine_settings(args)["draft_quantization"] == "int8"
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_settings(args) == {"target": "smollm2-135m-instruct"}

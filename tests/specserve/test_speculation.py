@@ -3,6 +3,7 @@ at all where they do not; the fixed policy hands out caps within the step's toke
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from drafters.ngram import NgramDrafter
@@ -135,3 +136,11 @@ def test_forward_cost_interpolates_between_measured_sizes():
     assert cost(20) == pytest.approx(0.035) and cost(64) == pytest.approx(0.09)  # the last segment extended
     assert calibration_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     assert calibration_sizes(100)[-1] == 100
+
+
+def test_forward_cost_never_falls_with_more_tokens():
+    """Timing noise made 2 tokens look cheaper than 1: the curve keeps the dearer of the two."""
+    cost = ForwardCost([1, 2, 4, 8], [0.063, 0.055, 0.065, 0.069])
+    assert cost(2) == pytest.approx(0.063) and cost(1) == pytest.approx(0.063)
+    sizes = np.arange(1, 64)
+    assert np.all(np.diff(cost.many(sizes)) >= 0)

@@ -62,9 +62,10 @@ def spec_bench(smollm2_path):
 
 
 DRAFTERS = {  # every kind of drafter, and a merge of two (model drafters grow small trees here: speed;
-    # the draft model scores only its first 16k token ids, which must not matter either)
+    # the draft model scores only its first 16k token ids, with int8 projections: neither may matter)
     "ngram": dict(draft="ngram"),
-    "draft-model": dict(draft="{draft}", draft_top_k=2, draft_beam=2, max_tree_tokens=6, draft_vocab=16384),
+    "draft-model": dict(draft="{draft}", draft_top_k=2, draft_beam=2, max_tree_tokens=6, draft_vocab=16384,
+                        draft_quantization="int8"),
     "early-exit": dict(draft="early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
     "merged": dict(draft="ngram+early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
 }

@@ -59,3 +59,21 @@ def test_packing_is_only_for_bf16_on_cpu(monkeypatch):
 def test_wrong_shapes_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         Projection(96, [64]).load([torch.zeros(64, 95)], None, pack=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_small_steps_approximate_and_large_steps_stay_exact(dtype, bias):
+    """A draft model's int8 projections: close to the full-precision result (per-channel weight
+    scales, activations quantized per call), in the model's dtype; large steps are untouched."""
+    proj, blocks, biases = make([64, 32, 32], packing_available(dtype), bias, dtype=dtype)
+    proj.quantize_int8()
+    assert proj.int8 is not None and proj.packed is None
+    for rows in (1, 9, LARGE_STEP_TOKENS - 1):
+        x = torch.randn(rows, 96).to(dtype)
+        got, expected = proj(x), per_block(x.float(), [b.float() for b in blocks],
+                                           biases and [b.float() for b in biases])
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert (got.float() - expected).norm() / expected.norm() < 0.03
+    x = torch.randn(LARGE_STEP_TOKENS, 96).to(dtype)
+    assert torch.equal(proj(x), per_block(x, blocks, biases))
