@@ -122,9 +122,8 @@ class SpeculationPolicy:
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
             return budgets
-        order = _nodes_by_gain([self._credited_alpha(seq) for seq in seqs], [caps[seq] for seq in seqs],
-                               [seq.seq_id for seq in seqs], max_total)
-        rows, depths, gains = order
+        rows, depths, gains = _nodes_by_gain([self._credited_alpha(seq) for seq in seqs],
+                                             [caps[seq] for seq in seqs], [seq.seq_id for seq in seqs], max_total)
         if not len(rows):
             return budgets
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
