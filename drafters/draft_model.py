@@ -33,8 +33,8 @@ class DraftModelDrafter(TreeSearchDrafter):
              vocab: int | None = None, quantization: str | None = None) -> DraftModelDrafter:
         """A known model name (pulled on first use), an HF directory or a .gguf file. `vocab`:
         score only the first `vocab` token ids and the model's special tokens (see below).
-        `quantization="int8"`: int8 projections for draft forwards (a third faster on a CPU,
-        where they are bandwidth-bound; the target verifies every token either way)."""
+        `quantization="int8"`: int8 projections for draft forwards (half the bytes to read on a
+        CPU, where they are bandwidth-bound; the target verifies every token either way)."""
         from specserve.models.loader import load_model
         from specserve.pull import resolve_model
 

@@ -118,7 +118,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft models: score only the N most frequent token ids (a cheaper LM head; default: all)")
     p.add_argument("--draft-quantization", choices=["int8", "none"], default=None,
-                   help="draft models: int8 projections, a third faster on a CPU (default: none)")
+                   help="draft models: int8 projections, half the bytes per draft forward (default: none)")
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2); "
                         f"default {DEFAULT_KV_CACHE_MEMORY}")
