@@ -58,6 +58,22 @@ def load_prompts(engine: LLMEngine, questions: Path, count: int, max_prompt_toke
     return prompts
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time counters (`/proc/stat`: user, nice, system, idle, iowait, irq,
+    softirq, steal, ...); empty where there is no /proc."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(x) for x in stat.readline().split()[1:]]
+    except OSError:
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """The share of CPU time the hypervisor took from this VM between two `cpu_ticks()`."""
+    deltas = [b - a for a, b in zip(before, after, strict=False)]
+    return deltas[7] / sum(deltas) if len(deltas) > 7 and sum(deltas) > 0 else 0.0
+
+
 def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
                       concurrency: int | None = None) -> tuple[list[RequestOutput], float, float]:
     """Run every prompt to completion: (outputs, start time, wall seconds). All are submitted at

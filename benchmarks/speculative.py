@@ -7,9 +7,9 @@
     warm-up of each; the median over prompts (x repeats) is reported.
 (b) SmolLM2 with early exit and n-gram drafters on Spec-Bench (all 13 categories, first turn,
     64 new tokens, batch 1): speed-up over specserve without speculation and MAT, per category.
-(c) SmolLM2 at 1, 8, 32 and 64 concurrent requests (closed-loop clients over at least 13
-    questions, one per category): aggregate tok/s with and without speculation (adaptive
-    tree budgets), interleaved, median of repeats.
+(c) SmolLM2 at 1, 8, 32 and 64 concurrent requests (closed-loop clients, 3 questions each and
+    at least 13, round-robin over the categories): aggregate tok/s with and without
+    speculation (adaptive tree budgets), in pairs run back to back, median of the pairs' ratios.
 
 EOS is ignored everywhere so that every run generates the same number of tokens.
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine import SPEC_BENCH, load_prompts, run_to_completion  # benchmarks/engine.py
+from engine import SPEC_BENCH, cpu_ticks, load_prompts, run_to_completion, steal_share  # benchmarks/engine.py
 from engine import spec_bench_questions as questions
 from report import write_report
 from tqdm import tqdm
@@ -37,6 +37,10 @@ from specserve.sampling import SamplingParams
 from specserve.sequence import SpecStats
 
 RESULTS = Path(__file__).parent / "results"
+# (c) reruns a pair in which the hypervisor took more than this share of the CPU (another VM's
+# burst), at most MAX_RERUNS times: the pair measures the engine, not the neighbours.
+MAX_STEAL = 0.05
+MAX_RERUNS = 2
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculation: dict | None,
@@ -44,15 +48,17 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculatio
     """All prompts (at most `concurrency` at a time) to completion: wall time, tokens, and
     speculation counters."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
-    first = engine.metrics.steps
+    first, ticks = engine.metrics.steps, cpu_ticks()
     outputs, _, wall = run_to_completion(engine, prompts, params, concurrency)
+    steal = steal_share(ticks, cpu_ticks())
     spec = SpecStats()
     for o in outputs:
         spec.add(o.metrics.spec)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": engine.metrics.steps - first,
             "mat": spec.mean_accepted_tokens, "drafted": spec.drafted_tokens, "accepted": spec.accepted_tokens,
-            "verify_steps": spec.verify_steps, "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+            "verify_steps": spec.verify_steps, "steal": steal,
+            "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -197,20 +203,31 @@ def part_c(args) -> None:
     engine = LLMEngine(resolve_model(args.model), "bfloat16",
                        EngineConfig(draft=args.draft_c, speculation=args.speculation, kv_cache_memory="2GiB",
                                     max_num_seqs=max(levels), max_tree_tokens=args.tree_tokens))
-    # Round-robin over the categories, and at least `--requests-c` requests per level from a
-    # closed loop of `c` clients: even one client sees every category, not one question's luck.
-    workload = {c: max(c, args.requests_c) for c in levels}
+    # Round-robin over the categories; each of the c closed-loop clients sends several requests
+    # (and every level at least `--requests-c`): throughput then comes from the steady state,
+    # where a request that finishes early frees its slot for the next, rather than from one
+    # wave whose slowest request sets the time.
+    workload = {c: max(c * args.requests_per_client, args.requests_c) for c in levels}
     pool = load_prompts(engine, args.questions, max(workload.values()), max_prompt_tokens=384)
     configs = {"no-spec": {"enabled": False}, args.draft_c: None}
-    for spec in configs.values():
-        run(engine, pool[:8], 8, spec)
+    for c in levels:  # warm-up at every level: the first 64-wide batch grows the allocator's pools
+        for spec in configs.values():
+            run(engine, pool[:c], 8, spec, concurrency=c)
     runs: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in configs} for c in levels}
+    reruns = dict.fromkeys(levels, 0)
     for repeat in tqdm(range(args.repeats), desc="(c) repeats", unit="rep"):
         for c in levels:
             # Back to back, in alternating order (ABBA): the machine's drift and whichever runs
             # second's warm caches fall on both sides alike.
-            for name, spec in list(configs.items())[:: 1 if repeat % 2 == 0 else -1]:
-                runs[c][name].append(run(engine, pool[: workload[c]], args.max_tokens_b, spec, concurrency=c))
+            order = list(configs.items())[:: 1 if repeat % 2 == 0 else -1]
+            for attempt in range(MAX_RERUNS + 1):
+                pair = {name: run(engine, pool[: workload[c]], args.max_tokens_b, spec, concurrency=c)
+                        for name, spec in order}
+                if max(r["steal"] for r in pair.values()) <= MAX_STEAL or attempt == MAX_RERUNS:
+                    break
+                reruns[c] += 1
+            for name, result in pair.items():
+                runs[c][name].append(result)
     summary, rows = {}, []
     for c, by_config in runs.items():
         plain = median([r["tok_s"] for r in by_config["no-spec"]])
@@ -221,16 +238,20 @@ def part_c(args) -> None:
         mats = [r["mat"] for r in by_config[args.draft_c] if r["mat"]]
         summary[c] = {"no-spec tok/s": plain, "spec tok/s": spec, "ratio": median(ratios), "ratios": ratios,
                       "drafted": drafted, "mat": median(mats) if mats else None,
-                      "tok_s": {name: [r["tok_s"] for r in rs] for name, rs in by_config.items()}}
+                      "tok_s": {name: [r["tok_s"] for r in rs] for name, rs in by_config.items()},
+                      "steal": {name: [r["steal"] for r in rs] for name, rs in by_config.items()},
+                      "reruns": reruns[c]}
         rows.append([str(c), f"{plain:.1f}", f"{spec:.1f}", f"{median(ratios):.2f}x",
                      f"{min(ratios):.2f}-{max(ratios):.2f}", str(drafted), "-" if not mats else f"{median(mats):.2f}"])
     result = {"machine": _machine(), "model": args.model, "draft": args.draft_c, "max_tokens": args.max_tokens_b,
               "requests": workload, "repeats": args.repeats, "speculation": args.speculation, "summary": summary}
     caption = (f"(c) {args.model}, bfloat16, {args.max_tokens_b} new tokens per request; c clients in a closed loop "
-               f"send max(c, {args.requests_c}) Spec-Bench questions (round-robin over categories); "
-               f"`{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) vs no speculation, "
-               f"{args.repeats} repeats, each running both back to back (alternating which goes first); ratio: "
-               f"the median of the repeats' ratios.")
+               f"send max({args.requests_per_client}c, {args.requests_c}) Spec-Bench questions (round-robin over "
+               f"categories); `{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) vs no "
+               f"speculation, {args.repeats} repeats, each running both back to back (alternating which goes "
+               f"first); ratio: the median of the repeats' ratios. A pair in which the hypervisor took over "
+               f"{MAX_STEAL:.0%} of the CPU was run again (at most {MAX_RERUNS} times): "
+               f"{sum(reruns.values())} reruns.")
     write_report(args.out + "-c", result, caption, ["concurrent", "no-spec tok/s", "spec tok/s", "ratio",
                                                     "ratio range", "drafted tokens", "MAT"], rows)
 
@@ -263,6 +284,7 @@ def main() -> None:
     parser.add_argument("--draft-c", default="ngram")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--requests-c", type=int, default=13, help="(c) requests per level at least (one per category)")
+    parser.add_argument("--requests-per-client", type=int, default=3, help="(c) requests each client sends")
     parser.add_argument("--out", default=str(RESULTS / "speculative"))
     args = parser.parse_args()
     torch.manual_seed(0)

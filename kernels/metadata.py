@@ -13,6 +13,11 @@ from typing import Protocol
 
 import torch
 
+# A padded path pads requests to their group's longest tree; a group's longest is less than
+# this many times its shortest: a 1-node decode is not padded up to a 16-node tree, while a
+# few more padded rows cost less than another attention call (each ~0.2 ms on a CPU).
+PAD_RATIO = 8
+
 
 class TreeLike(Protocol):
     """What the metadata needs of a tree (`specserve.tree.TokenTree` satisfies it)."""
@@ -165,18 +170,62 @@ class AttentionMetadata:
         per_node = (self.ancestor_mask.long() * bits).sum(-1)  # [B, max_n]
         return per_node.flatten()[self.padded_index]
 
-    def additive_key_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """`key_mask` as 0 / -inf in `dtype`, built once per step instead of once per layer by SDPA."""
-        cached = self._additive_masks.get(dtype)
+    def additive_key_mask(self, dtype: torch.dtype, repeats: int = 1) -> torch.Tensor:
+        """`key_mask` as 0 / -inf in `dtype`, built once per step instead of once per layer by SDPA.
+
+        With `repeats`, the query axis repeats whole (`[B, 1, repeats * max_n, L]`): the mask of
+        query heads folded into the query axis, `repeats` heads per K/V head."""
+        cached = self._additive_masks.get((dtype, repeats))
         if cached is None:
             cached = torch.zeros(self.key_mask.shape, dtype=dtype, device=self.key_mask.device)
             cached.masked_fill_(~self.key_mask, float("-inf"))
-            self._additive_masks[dtype] = cached
+            if repeats > 1:
+                cached = cached.repeat(1, 1, repeats, 1)
+            self._additive_masks[(dtype, repeats)] = cached
         return cached
 
     @cached_property
-    def _additive_masks(self) -> dict[torch.dtype, torch.Tensor]:
+    def _additive_masks(self) -> dict[tuple[torch.dtype, int], torch.Tensor]:
         return {}
+
+    @cached_property
+    def padding_groups(self) -> list[tuple[torch.Tensor | None, AttentionMetadata]]:
+        """The requests split into groups of similar tree length, for a padded path to pad each
+        group apart: a step's decodes are not padded up to its trees, nor its trees up to a
+        prompt chunk. Per group: its flat token indices (None when one group has them all)
+        and its own metadata. In a group, the longest tree is < PAD_RATIO x the shortest."""
+        lens = self.tree_lens.tolist()
+        groups: list[list[int]] = []
+        for b in sorted(range(len(lens)), key=lambda b: -lens[b]):
+            if groups and lens[b] * PAD_RATIO > lens[groups[-1][0]]:
+                groups[-1].append(b)
+            else:
+                groups.append([b])
+        if len(groups) == 1:
+            return [(None, self)]
+        return [self._select(sorted(group)) for group in groups]
+
+    def _select(self, requests: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """A subset of the requests as a step of its own: (their flat token indices, metadata)."""
+        index = torch.as_tensor(requests, dtype=torch.int64, device=self.tree_lens.device)
+        lens = self.tree_lens[index]
+        starts = torch.zeros(len(requests) + 1, dtype=torch.int64, device=lens.device)
+        starts[1:] = torch.cumsum(lens, 0)
+        tokens = torch.cat([torch.arange(int(self.query_start_loc[b]), int(self.query_start_loc[b + 1]),
+                                         device=lens.device) for b in requests])
+        max_n = int(lens.max())
+        meta = AttentionMetadata(
+            block_size=self.block_size,
+            query_start_loc=starts,
+            context_lens=self.context_lens[index],
+            tree_lens=lens,
+            block_tables=self.block_tables[index],
+            slot_mapping=self.slot_mapping[tokens],
+            positions=self.positions[tokens],
+            ancestor_mask=self.ancestor_mask[index, :max_n, :max_n],
+            all_chains=self.all_chains,
+        )
+        return tokens, meta
 
 
 def compaction_slots(

@@ -32,14 +32,30 @@ def paged_tree_attention(
 ) -> torch.Tensor:
     """Attention of new tokens `q` (`[T, Hq, D]`) over the cache (their own K/V already written).
 
-    Requests are padded to one batch so a whole step is a single SDPA call: on a CPU the
-    per-call overhead, not the arithmetic, dominates small decode steps.
+    Requests of similar tree length are padded to one batch, so a step is one SDPA call per
+    group (`meta.padding_groups`: decodes, trees, prompt chunks): on a CPU the per-call
+    overhead dominates small decode steps, while padding every decode up to the longest tree
+    would multiply the attention work.
     """
-    _, num_heads, head_dim = q.shape
     if meta.is_fresh_prefill:
         return _causal_prefill(q, k_cache, v_cache, meta, scale)
+    groups = meta.padding_groups
+    if len(groups) == 1:
+        return _padded_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    for tokens, group in groups:
+        out[tokens] = _padded_attention(q[tokens], k_cache, v_cache, group, scale)
+    return out
+
+
+def _padded_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """All of `meta`'s requests padded to its longest tree, in one SDPA call."""
+    _, num_heads, head_dim = q.shape
     batch, max_n, seq_len = meta.num_requests, meta.max_tree_len, meta.max_seq_len
     num_kv_heads = k_cache.shape[-2]
+    group = num_heads // num_kv_heads
     # index_select of whole blocks is ~3x faster than advanced indexing for this gather.
     blocks = meta.block_tables[:, : -(-seq_len // meta.block_size)].flatten()
     keys = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
@@ -50,15 +66,13 @@ def paged_tree_attention(
         queries = q.new_zeros(batch * max_n, num_heads, head_dim)
         queries[meta.padded_index] = q
         queries = queries.view(batch, max_n, num_heads, head_dim)
+    # The query heads sharing a K/V head are folded into the query axis: a plain multi-head call
+    # over the K/V heads, which CPU SDPA runs ~2x faster than its grouped-query path for trees.
+    queries = queries.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * max_n, head_dim)
     out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=meta.additive_key_mask(q.dtype),
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.additive_key_mask(q.dtype, group), scale=scale,
     )
-    out = out.transpose(1, 2).reshape(batch * max_n, num_heads, head_dim)
+    out = out.view(batch, num_heads, max_n, head_dim).transpose(1, 2).reshape(batch * max_n, num_heads, head_dim)
     return out if meta.is_rectangular else out[meta.padded_index]
 
 

@@ -34,11 +34,12 @@ def dense_attention(q, keys, values, mask, scale):
 
 def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, head_dim: int, shapes, dtype):
     """Requests with random contexts already in a shuffled paged cache, plus a tree each."""
-    requests = []
-    for shape in shapes:
-        ctx = rng.randrange(0, 70)
-        tree = random_tree(rng, rng.randrange(1, 12), shape)
-        requests.append((ctx, tree))
+    requests = [(rng.randrange(0, 70), random_tree(rng, rng.randrange(1, 12), shape)) for shape in shapes]
+    return (requests, *paged_cache(rng, requests, block_size, kv_heads, head_dim, dtype))
+
+
+def paged_cache(rng: random.Random, requests, block_size: int, kv_heads: int, head_dim: int, dtype):
+    """Block tables for (context_len, tree) requests over a shuffled paged cache of random K/V."""
     blocks_needed = [-(-(ctx + len(tree)) // block_size) for ctx, tree in requests]
     num_blocks = sum(blocks_needed) + 3
     order = list(range(num_blocks))
@@ -49,7 +50,7 @@ def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, he
         used += count
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    return requests, tables, k_cache, v_cache
+    return tables, k_cache, v_cache
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -58,8 +59,30 @@ def make_case(rng: random.Random, block_size: int, heads: int, kv_heads: int, he
 def test_tree_attention_matches_dense(seed, block_size, heads, kv_heads):
     rng = random.Random(seed * 1000 + block_size)
     shapes = [rng.choice(["chain", "single", "random", "deep"]) for _ in range(rng.randrange(1, 5))]
-    head_dim = 16
-    requests, tables, k_cache, v_cache = make_case(rng, block_size, heads, kv_heads, head_dim, shapes, torch.float32)
+    case = make_case(rng, block_size, heads, kv_heads, 16, shapes, torch.float32)
+    check_against_dense(*case, block_size, heads)
+
+
+def test_decodes_trees_and_prompt_chunks_are_padded_apart():
+    """A step mixing decodes, trees and a long chunk pads each kind apart, and is still exact."""
+    rng = random.Random(7)
+    block_size, heads, kv_heads = 4, 6, 2
+    trees = [TokenTree.single(1), random_tree(rng, 9, "random"), TokenTree.single(2), random_tree(rng, 3, "deep"),
+             TokenTree.chain(range(40))]
+    contexts = [30, 0, 61, 12, 5]
+    requests = list(zip(contexts, trees, strict=True))
+    tables, k_cache, v_cache = paged_cache(rng, requests, block_size, kv_heads, 16, torch.float32)
+
+    meta = AttentionMetadata.build(trees, contexts, tables, block_size)
+    groups = [sorted(group.tree_lens.tolist()) for _, group in meta.padding_groups]
+    assert sorted(groups) == [[1, 1, 3], [9, 40]]  # longest < PAD_RATIO x shortest
+    check_against_dense(requests, tables, k_cache, v_cache, block_size, heads)
+
+
+def check_against_dense(requests, tables, k_cache, v_cache, block_size: int, heads: int) -> None:
+    """tree_attention over `requests` ((context_len, tree) each) equals dense attention per request,
+    and writes each step token's K/V at its slot."""
+    kv_heads, head_dim = k_cache.shape[-2:]
     old_k, old_v = k_cache.clone(), v_cache.clone()
     trees = [t for _, t in requests]
     meta = AttentionMetadata.build(trees, [c for c, _ in requests], tables, block_size)
