@@ -74,28 +74,57 @@ def steal_share(before: list[int], after: list[int]) -> float:
     return deltas[7] / sum(deltas) if len(deltas) > 7 and sum(deltas) > 0 else 0.0
 
 
+class ClosedLoop:
+    """Prompts sent to an engine all at once, or, with `concurrency`, by that many clients that
+    each send their next prompt as soon as their last one finished (a closed loop, like a
+    serving benchmark's concurrency limit). `busy_s`: the time spent in this engine's calls."""
+
+    def __init__(self, engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                 concurrency: int | None = None):
+        start = time.perf_counter()
+        self.engine, self.params = engine, params
+        self.queue = list(enumerate(prompts))[::-1]
+        self.finished: list[RequestOutput] = []
+        for _ in range(min(concurrency or len(prompts), len(prompts))):
+            self._submit()
+        self.busy_s = time.perf_counter() - start
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished()
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        for output in self.engine.step():
+            if output.finished:
+                self.finished.append(output)
+                if self.queue:
+                    self._submit()
+        self.busy_s += time.perf_counter() - start
+
+    def _submit(self) -> None:
+        i, ids = self.queue.pop()
+        self.engine.add_request(f"b{i}", ids, self.params)
+
+
 def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
                       concurrency: int | None = None) -> tuple[list[RequestOutput], float, float]:
-    """Run every prompt to completion: (outputs, start time, wall seconds). All are submitted at
-    once, or, with `concurrency`, that many clients each send their next prompt as soon as
-    their last one finished (a closed loop, like a serving benchmark's concurrency limit)."""
+    """Run every prompt to completion (see `ClosedLoop`): (outputs, start time, wall seconds)."""
     start = time.perf_counter()
-    queue = list(enumerate(prompts))[::-1]
+    loop = ClosedLoop(engine, prompts, params, concurrency)
+    while not loop.done:
+        loop.step()
+    return loop.finished, start, time.perf_counter() - start
 
-    def submit() -> None:
-        i, ids = queue.pop()
-        engine.add_request(f"b{i}", ids, params)
 
-    for _ in range(min(concurrency or len(prompts), len(prompts))):
-        submit()
-    finished = []
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.finished:
-                finished.append(output)
-                if queue:
-                    submit()
-    return finished, start, time.perf_counter() - start
+def run_interleaved(loops: list[ClosedLoop]) -> None:
+    """Run several engines' loops to completion, one step of each in turn. Each is timed by its
+    own `busy_s`: a machine whose speed drifts (other VMs on the host, clocks) slows all of
+    them alike, where back-to-back runs seconds apart see different machines."""
+    while not all(loop.done for loop in loops):
+        for loop in loops:
+            if not loop.done:
+                loop.step()
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:

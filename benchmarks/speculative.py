@@ -25,37 +25,59 @@ import time
 from pathlib import Path
 
 import torch
-from engine import SPEC_BENCH, cpu_ticks, load_prompts, run_to_completion, steal_share  # benchmarks/engine.py
+from engine import (  # benchmarks/engine.py
+    SPEC_BENCH,
+    ClosedLoop,
+    cpu_ticks,
+    load_prompts,
+    run_interleaved,
+    run_to_completion,
+    steal_share,
+)
 from engine import spec_bench_questions as questions
 from report import write_report
 from tqdm import tqdm
 
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
+from specserve.outputs import RequestOutput
 from specserve.pull import resolve_model
 from specserve.sampling import SamplingParams
 from specserve.sequence import SpecStats
 
 RESULTS = Path(__file__).parent / "results"
-# (c) reruns a pair in which the hypervisor took more than this share of the CPU (another VM's
-# burst), at most MAX_RERUNS times: the pair measures the engine, not the neighbours.
-MAX_STEAL = 0.05
-MAX_RERUNS = 2
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculation: dict | None,
-        concurrency: int | None = None) -> dict:
-    """All prompts (at most `concurrency` at a time) to completion: wall time, tokens, and
-    speculation counters."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculation: dict | None) -> dict:
+    """All prompts at once to completion: wall time, tokens, and speculation counters."""
     first, ticks = engine.metrics.steps, cpu_ticks()
-    outputs, _, wall = run_to_completion(engine, prompts, params, concurrency)
+    outputs, _, wall = run_to_completion(engine, prompts, _params(max_tokens, speculation))
+    return _measured(outputs, wall, engine.metrics.steps - first, steal_share(ticks, cpu_ticks()))
+
+
+def side_by_side(engines: dict[str, LLMEngine], configs: dict[str, dict | None], prompts: list[list[int]],
+                 max_tokens: int, concurrency: int) -> dict[str, dict]:
+    """Each configuration on its own engine over the same prompts from `concurrency` closed-loop
+    clients, all at once, one engine step of each in turn; each timed by its own steps."""
+    loops = {name: ClosedLoop(engines[name], prompts, _params(max_tokens, spec), concurrency)
+             for name, spec in configs.items()}
+    first, ticks = {name: engine.metrics.steps for name, engine in engines.items()}, cpu_ticks()
+    run_interleaved(list(loops.values()))
     steal = steal_share(ticks, cpu_ticks())
+    return {name: _measured(loop.finished, loop.busy_s, engines[name].metrics.steps - first[name], steal)
+            for name, loop in loops.items()}
+
+
+def _params(max_tokens: int, speculation: dict | None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
+
+
+def _measured(outputs: list[RequestOutput], seconds: float, steps: int, steal: float) -> dict:
     spec = SpecStats()
     for o in outputs:
         spec.add(o.metrics.spec)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": engine.metrics.steps - first,
+    return {"wall_s": seconds, "tokens": tokens, "tok_s": tokens / seconds, "steps": steps,
             "mat": spec.mean_accepted_tokens, "drafted": spec.drafted_tokens, "accepted": spec.accepted_tokens,
             "verify_steps": spec.verify_steps, "steal": steal,
             "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
@@ -200,47 +222,39 @@ def part_b(args) -> None:
 
 def part_c(args) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = LLMEngine(resolve_model(args.model), "bfloat16",
-                       EngineConfig(draft=args.draft_c, speculation=args.speculation, kv_cache_memory="2GiB",
-                                    max_num_seqs=max(levels), max_tree_tokens=args.tree_tokens))
+    config = EngineConfig(draft=args.draft_c, speculation=args.speculation, kv_cache_memory="2GiB",
+                          max_num_seqs=max(levels), max_tree_tokens=args.tree_tokens)
+    configs = {"no-spec": {"enabled": False}, args.draft_c: None}
+    # Two identical engines, one per configuration, stepped in turn (`side_by_side`): runs back
+    # to back, seconds apart, measured this VM's drift (no-spec alone varied 2x between runs)
+    # more than speculation.
+    engines = {name: LLMEngine(resolve_model(args.model), "bfloat16", config) for name in configs}
     # Round-robin over the categories; each of the c closed-loop clients sends several requests
     # (and every level at least `--requests-c`): throughput then comes from the steady state,
     # where a request that finishes early frees its slot for the next, rather than from one
     # wave whose slowest request sets the time.
     workload = {c: max(c * args.requests_per_client, args.requests_c) for c in levels}
-    pool = load_prompts(engine, args.questions, max(workload.values()), max_prompt_tokens=384)
-    configs = {"no-spec": {"enabled": False}, args.draft_c: None}
+    pool = load_prompts(engines["no-spec"], args.questions, max(workload.values()), max_prompt_tokens=384)
     for c in levels:  # warm-up at every level: the first 64-wide batch grows the allocator's pools
-        for spec in configs.values():
-            run(engine, pool[:c], 8, spec, concurrency=c)
+        side_by_side(engines, configs, pool[:c], 8, c)
     runs: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in configs} for c in levels}
-    reruns = dict.fromkeys(levels, 0)
     for repeat in tqdm(range(args.repeats), desc="(c) repeats", unit="rep"):
         for c in levels:
-            # Back to back, in alternating order (ABBA): the machine's drift and whichever runs
-            # second's warm caches fall on both sides alike.
-            order = list(configs.items())[:: 1 if repeat % 2 == 0 else -1]
-            for attempt in range(MAX_RERUNS + 1):
-                pair = {name: run(engine, pool[: workload[c]], args.max_tokens_b, spec, concurrency=c)
-                        for name, spec in order}
-                if max(r["steal"] for r in pair.values()) <= MAX_STEAL or attempt == MAX_RERUNS:
-                    break
-                reruns[c] += 1
-            for name, result in pair.items():
+            order = dict(list(configs.items())[:: 1 if repeat % 2 == 0 else -1])  # who steps first alternates
+            for name, result in side_by_side(engines, order, pool[: workload[c]], args.max_tokens_b, c).items():
                 runs[c][name].append(result)
     summary, rows = {}, []
     for c, by_config in runs.items():
         plain = median([r["tok_s"] for r in by_config["no-spec"]])
         spec = median([r["tok_s"] for r in by_config[args.draft_c]])
-        # The ratio is the median of each repeat's own ratio (its two runs ran back to back).
+        # The ratio is the median of each repeat's own ratio (its two engines ran side by side).
         ratios = [s["tok_s"] / p["tok_s"] for p, s in zip(by_config["no-spec"], by_config[args.draft_c], strict=True)]
         drafted = sum(r["drafted"] for r in by_config[args.draft_c])
         mats = [r["mat"] for r in by_config[args.draft_c] if r["mat"]]
         summary[c] = {"no-spec tok/s": plain, "spec tok/s": spec, "ratio": median(ratios), "ratios": ratios,
                       "drafted": drafted, "mat": median(mats) if mats else None,
                       "tok_s": {name: [r["tok_s"] for r in rs] for name, rs in by_config.items()},
-                      "steal": {name: [r["steal"] for r in rs] for name, rs in by_config.items()},
-                      "reruns": reruns[c]}
+                      "steal": [r["steal"] for r in by_config["no-spec"]]}
         rows.append([str(c), f"{plain:.1f}", f"{spec:.1f}", f"{median(ratios):.2f}x",
                      f"{min(ratios):.2f}-{max(ratios):.2f}", str(drafted), "-" if not mats else f"{median(mats):.2f}"])
     result = {"machine": _machine(), "model": args.model, "draft": args.draft_c, "max_tokens": args.max_tokens_b,
@@ -248,10 +262,8 @@ def part_c(args) -> None:
     caption = (f"(c) {args.model}, bfloat16, {args.max_tokens_b} new tokens per request; c clients in a closed loop "
                f"send max({args.requests_per_client}c, {args.requests_c}) Spec-Bench questions (round-robin over "
                f"categories); `{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) vs no "
-               f"speculation, {args.repeats} repeats, each running both back to back (alternating which goes "
-               f"first); ratio: the median of the repeats' ratios. A pair in which the hypervisor took over "
-               f"{MAX_STEAL:.0%} of the CPU was run again (at most {MAX_RERUNS} times): "
-               f"{sum(reruns.values())} reruns.")
+               f"speculation on two identical engines stepped in turn, each timed by its own steps; {args.repeats} "
+               f"repeats; ratio: the median of the repeats' ratios.")
     write_report(args.out + "-c", result, caption, ["concurrent", "no-spec tok/s", "spec tok/s", "ratio",
                                                     "ratio range", "drafted tokens", "MAT"], rows)
 
