@@ -80,11 +80,16 @@ class SpeculationPolicy:
         return (trees if with_trees else plain) * self.forward_cost(num_tokens)
 
     def _step_scales(self, num_seqs: int) -> tuple[float, float]:
-        """Measured / calibrated step time, for steps without and with trees. With trees,
-        unmeasured, a step is assumed to cost what a plain step of as many tokens costs
-        (optimism: it then gets measured)."""
-        plain = self._scale(False, num_seqs) or 1.0
-        return plain, self._scale(True, num_seqs) or plain
+        """Measured / calibrated step time, for steps without and with trees. Where only one
+        kind is measured, the other is assumed to scale alike, so the choice rests on the
+        calibrated curve and acceptance alone: trees, unmeasured, get drafted and so measured;
+        and a busy speculating engine, which seldom runs a plain step, does not take trees to
+        be cheaper than plain steps because its plain steps are still at the calibration's
+        guess while its tree steps came out faster."""
+        plain, trees = self._scale(False, num_seqs), self._scale(True, num_seqs)
+        if plain is None and trees is None:
+            return 1.0, 1.0
+        return plain or trees, trees or plain
 
     def _scale(self, with_trees: bool, num_seqs: int) -> float | None:
         measured = self._scales.get((with_trees, num_seqs.bit_length()))

@@ -91,6 +91,18 @@ def test_measured_steps_correct_the_curve_and_trees_that_slow_steps_down_stop():
     assert policy.budgets({seqs[0]: 8}, 1, 1024)[seqs[0]] > 0  # batch 1 was never measured slower
 
 
+def test_trees_measured_faster_than_the_curve_do_not_make_unmeasured_plain_steps_look_dear():
+    """A speculating engine at load seldom runs a plain step, so only its tree steps get measured.
+    Came out faster than the calibration (0.7x), they must not make speculation look like it
+    saves time on a step (what a plain step at the calibration's 1.0x would suggest)."""
+    policy = SpeculationPolicy(adaptive=True, forward_cost=STEEP)
+    seqs = [decoding(i, accepted=10, steps=10) for i in range(8)]  # ~0.5 per drafted token
+    for _ in range(5):
+        policy.observe_step(8, 16, with_trees=True, seconds=0.7 * STEEP(16))
+    assert policy.step_seconds(8, 8, with_trees=False) == pytest.approx(0.7 * STEEP(8))
+    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 8, 1024).values()) == 0  # every row costs a forward
+
+
 def test_one_slow_step_does_not_switch_speculation_off_for_good():
     """A warm-up outlier (a new shape's first forward) must not leave trees looking dear: with
     no trees, nothing would measure them again."""
