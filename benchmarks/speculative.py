@@ -9,7 +9,8 @@
     64 new tokens, batch 1): speed-up over specserve without speculation and MAT, per category.
 (c) SmolLM2 at 1, 8, 32 and 64 concurrent requests (closed-loop clients, 3 questions each and
     at least 13, round-robin over the categories): aggregate tok/s with and without
-    speculation (adaptive tree budgets), in pairs run back to back, median of the pairs' ratios.
+    speculation (adaptive tree budgets) on two identical engines stepped in turn, each timed by
+    its own steps; the median of the repeats' ratios.
 
 EOS is ignored everywhere so that every run generates the same number of tokens.
 

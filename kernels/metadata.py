@@ -191,8 +191,8 @@ class AttentionMetadata:
     @cached_property
     def padding_groups(self) -> list[tuple[torch.Tensor | None, AttentionMetadata]]:
         """The requests split into groups of similar tree length, for a padded path to pad each
-        group apart: a step's decodes are not padded up to its trees, nor its trees up to a
-        prompt chunk. Per group: its flat token indices (None when one group has them all)
+        group apart: a step's decodes are not padded up to its long trees, nor its short trees
+        up to a long prompt chunk. Per group: its flat token indices (None when one group has them all)
         and its own metadata. In a group, the longest tree is < PAD_RATIO x the shortest."""
         lens = self.tree_lens.tolist()
         groups: list[list[int]] = []

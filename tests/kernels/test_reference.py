@@ -64,7 +64,8 @@ def test_tree_attention_matches_dense(seed, block_size, heads, kv_heads):
 
 
 def test_decodes_trees_and_prompt_chunks_are_padded_apart():
-    """A step mixing decodes, trees and a long chunk pads each kind apart, and is still exact."""
+    """A step mixing decodes, trees and a long chunk is padded in groups of similar length (a
+    decode is not padded up to the chunk), and is still exact."""
     rng = random.Random(7)
     block_size, heads, kv_heads = 4, 6, 2
     trees = [TokenTree.single(1), random_tree(rng, 9, "random"), TokenTree.single(2), random_tree(rng, 3, "deep"),
