@@ -77,14 +77,22 @@ def steal_share(before: list[int], after: list[int]) -> float:
 class ClosedLoop:
     """Prompts sent to an engine all at once, or, with `concurrency`, by that many clients that
     each send their next prompt as soon as their last one finished (a closed loop, like a
-    serving benchmark's concurrency limit). `busy_s`: the time spent in this engine's calls."""
+    serving benchmark's concurrency limit). `busy_s`: the time spent in this engine's calls.
+
+    With `tokens`, the clients never run out (they cycle through the prompts) and the loop is
+    done once the engine generated that many tokens; the requests still running are then
+    aborted. That measures the steady state at `concurrency` requests in flight: a fixed list
+    run to completion ends in a drain, where the clients with the slowest requests are the only
+    ones left, and that drain sets the time of the whole run."""
 
     def __init__(self, engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-                 concurrency: int | None = None):
+                 concurrency: int | None = None, tokens: int | None = None):
         start = time.perf_counter()
-        self.engine, self.params = engine, params
-        self.queue = list(enumerate(prompts))[::-1]
+        self.engine, self.params, self.prompts, self.target = engine, params, prompts, tokens
+        self.sent, self.generated = 0, 0
         self.finished: list[RequestOutput] = []
+        self.aborted: list[RequestOutput] = []
+        self._running: set[str] = set()
         for _ in range(min(concurrency or len(prompts), len(prompts))):
             self._submit()
         self.busy_s = time.perf_counter() - start
@@ -96,15 +104,22 @@ class ClosedLoop:
     def step(self) -> None:
         start = time.perf_counter()
         for output in self.engine.step():
+            self.generated += sum(len(c.delta_token_ids) for c in output.outputs)
             if output.finished:
                 self.finished.append(output)
-                if self.queue:
+                self._running.discard(output.request_id)
+                if self.target is not None or self.sent < len(self.prompts):
                     self._submit()
         self.busy_s += time.perf_counter() - start
+        if self.target is not None and self.generated >= self.target:
+            self.aborted += [out for rid in sorted(self._running) if (out := self.engine.abort(rid))]
+            self._running.clear()
 
     def _submit(self) -> None:
-        i, ids = self.queue.pop()
-        self.engine.add_request(f"b{i}", ids, self.params)
+        request_id = f"b{self.sent}"
+        self.engine.add_request(request_id, self.prompts[self.sent % len(self.prompts)], self.params)
+        self._running.add(request_id)
+        self.sent += 1
 
 
 def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,

@@ -7,10 +7,12 @@
     warm-up of each; the median over prompts (x repeats) is reported.
 (b) SmolLM2 with early exit and n-gram drafters on Spec-Bench (all 13 categories, first turn,
     64 new tokens, batch 1): speed-up over specserve without speculation and MAT, per category.
-(c) SmolLM2 at 1, 8, 32 and 64 concurrent requests (closed-loop clients, 3 questions each and
-    at least 13, round-robin over the categories): aggregate tok/s with and without
+(c) SmolLM2 at 1, 8, 32 and 64 concurrent requests: aggregate tok/s with and without
     speculation (adaptive tree budgets) on two identical engines stepped in turn, each timed by
-    its own steps; the median of the repeats' ratios.
+    its own steps; the median of the repeats' ratios. c closed-loop clients send Spec-Bench
+    questions (round-robin over the categories) one after another, so c are always in flight,
+    until each engine generated the tokens of 3 requests per client (at least 13 requests);
+    `--drain` runs exactly those requests to completion instead.
 
 EOS is ignored everywhere so that every run generates the same number of tokens.
 
@@ -57,27 +59,31 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculatio
 
 
 def side_by_side(engines: dict[str, LLMEngine], configs: dict[str, dict | None], prompts: list[list[int]],
-                 max_tokens: int, concurrency: int) -> dict[str, dict]:
+                 max_tokens: int, concurrency: int, tokens: int | None = None) -> dict[str, dict]:
     """Each configuration on its own engine over the same prompts from `concurrency` closed-loop
-    clients, all at once, one engine step of each in turn; each timed by its own steps."""
-    loops = {name: ClosedLoop(engines[name], prompts, _params(max_tokens, spec), concurrency)
+    clients, all at once, one engine step of each in turn; each timed by its own steps. With
+    `tokens`: each until it generated that many, the clients never running out (`ClosedLoop`)."""
+    loops = {name: ClosedLoop(engines[name], prompts, _params(max_tokens, spec), concurrency, tokens)
              for name, spec in configs.items()}
     first, ticks = {name: engine.metrics.steps for name, engine in engines.items()}, cpu_ticks()
     run_interleaved(list(loops.values()))
     steal = steal_share(ticks, cpu_ticks())
-    return {name: _measured(loop.finished, loop.busy_s, engines[name].metrics.steps - first[name], steal)
-            for name, loop in loops.items()}
+    return {name: _measured(loop.finished + loop.aborted, loop.busy_s, engines[name].metrics.steps - first[name],
+                            steal, loop.generated) for name, loop in loops.items()}
 
 
 def _params(max_tokens: int, speculation: dict | None) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
 
 
-def _measured(outputs: list[RequestOutput], seconds: float, steps: int, steal: float) -> dict:
+def _measured(outputs: list[RequestOutput], seconds: float, steps: int, steal: float,
+              tokens: int | None = None) -> dict:
+    """`tokens`: generated in `seconds` (default: all of the outputs' tokens)."""
     spec = SpecStats()
     for o in outputs:
         spec.add(o.metrics.spec)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if tokens is None:
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"wall_s": seconds, "tokens": tokens, "tok_s": tokens / seconds, "steps": steps,
             "mat": spec.mean_accepted_tokens, "drafted": spec.drafted_tokens, "accepted": spec.accepted_tokens,
             "verify_steps": spec.verify_steps, "steal": steal,
@@ -230,10 +236,10 @@ def part_c(args) -> None:
     # to back, seconds apart, measured this VM's drift (no-spec alone varied 2x between runs)
     # more than speculation.
     engines = {name: LLMEngine(resolve_model(args.model), "bfloat16", config) for name in configs}
-    # Round-robin over the categories; each of the c closed-loop clients sends several requests
-    # (and every level at least `--requests-c`): throughput then comes from the steady state,
-    # where a request that finishes early frees its slot for the next, rather than from one
-    # wave whose slowest request sets the time.
+    # Round-robin over the categories. Each of the c closed-loop clients sends request after
+    # request: steady state, c always in flight, until each engine generated as many tokens as
+    # `--requests-per-client` requests per client make (at least `--requests-c` requests); with
+    # `--drain`, exactly those requests, run to completion, so the last clients' drain counts.
     workload = {c: max(c * args.requests_per_client, args.requests_c) for c in levels}
     pool = load_prompts(engines["no-spec"], args.questions, max(workload.values()), max_prompt_tokens=384)
     for c in levels:  # warm-up at every level: the first 64-wide batch grows the allocator's pools
@@ -242,7 +248,9 @@ def part_c(args) -> None:
     for repeat in tqdm(range(args.repeats), desc="(c) repeats", unit="rep"):
         for c in levels:
             order = dict(list(configs.items())[:: 1 if repeat % 2 == 0 else -1])  # who steps first alternates
-            for name, result in side_by_side(engines, order, pool[: workload[c]], args.max_tokens_b, c).items():
+            tokens = None if args.drain else workload[c] * args.max_tokens_b
+            for name, result in side_by_side(engines, order, pool[: workload[c]], args.max_tokens_b, c,
+                                             tokens).items():
                 runs[c][name].append(result)
     summary, rows = {}, []
     for c, by_config in runs.items():
@@ -259,12 +267,15 @@ def part_c(args) -> None:
         rows.append([str(c), f"{plain:.1f}", f"{spec:.1f}", f"{median(ratios):.2f}x",
                      f"{min(ratios):.2f}-{max(ratios):.2f}", str(drafted), "-" if not mats else f"{median(mats):.2f}"])
     result = {"machine": _machine(), "model": args.model, "draft": args.draft_c, "max_tokens": args.max_tokens_b,
-              "requests": workload, "repeats": args.repeats, "speculation": args.speculation, "summary": summary}
+              "requests": workload, "drain": args.drain, "repeats": args.repeats, "speculation": args.speculation,
+              "summary": summary}
+    load = ("send exactly these, run to completion (drain included)" if args.drain else
+            "send request after request (steady state, c in flight) until each engine generated their tokens")
     caption = (f"(c) {args.model}, bfloat16, {args.max_tokens_b} new tokens per request; c clients in a closed loop "
-               f"send max({args.requests_per_client}c, {args.requests_c}) Spec-Bench questions (round-robin over "
-               f"categories); `{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) vs no "
-               f"speculation on two identical engines stepped in turn, each timed by its own steps; {args.repeats} "
-               f"repeats; ratio: the median of the repeats' ratios.")
+               f"and max({args.requests_per_client}c, {args.requests_c}) Spec-Bench questions (round-robin over "
+               f"categories): {load}; `{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) "
+               f"vs no speculation on two identical engines stepped in turn, each timed by its own steps; "
+               f"{args.repeats} repeats; ratio: the median of the repeats' ratios.")
     write_report(args.out + "-c", result, caption, ["concurrent", "no-spec tok/s", "spec tok/s", "ratio",
                                                     "ratio range", "drafted tokens", "MAT"], rows)
 
@@ -297,7 +308,10 @@ def main() -> None:
     parser.add_argument("--draft-c", default="ngram")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--requests-c", type=int, default=13, help="(c) requests per level at least (one per category)")
-    parser.add_argument("--requests-per-client", type=int, default=3, help="(c) requests each client sends")
+    parser.add_argument("--requests-per-client", type=int, default=3,
+                        help="(c) the tokens of this many requests per client are generated per level")
+    parser.add_argument("--drain", action="store_true",
+                        help="(c) each client sends exactly that many requests, run to completion")
     parser.add_argument("--out", default=str(RESULTS / "speculative"))
     args = parser.parse_args()
     torch.manual_seed(0)

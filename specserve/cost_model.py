@@ -30,6 +30,7 @@ from specserve.tree import TokenTree
 
 CALIBRATION_CONTEXT = 128
 REPEATS = 3
+SLOPE_SPAN = 16  # tokens over which a curve's local slope is taken
 
 
 class RecentMedian:
@@ -48,6 +49,60 @@ class RecentMedian:
     @property
     def value(self) -> float | None:
         return statistics.median(self._samples) if len(self._samples) >= self.min_samples else None
+
+
+class StepCost:
+    """What a step of one batch size costs, fitted to recent measured steps: the calibrated
+    curve for the step's own tokens, scaled, plus a price per drafted node,
+
+        seconds = scale * T(base_tokens) + per_node * nodes.
+
+    Scaling the single-chain curve at `base_tokens + nodes` instead cannot tell what a node
+    costs in a batch: there, a tree gets its own attention call, its nodes their logits and
+    verification, and a step of 8 decodes with a few nodes measured several times the curve's
+    slope per node, so trees that lost time looked like a gain. The fit is Theil-Sen's (the
+    median of the pairwise slopes of measured/calibrated against nodes/calibrated, and the
+    median intercept): steps of several tree sizes, plain ones included, pin both numbers,
+    and a warm-up outlier or a noisy neighbour's slow step moves neither. The price per node
+    is never below the curve's own slope (scaled): a row costs at least what it does in a chain.
+    """
+
+    def __init__(self, curve: ForwardCost, window: int = 32, min_samples: int = 3):
+        self.curve = curve
+        self.min_samples = min_samples
+        # Per step: measured / calibrated, nodes / calibrated, the curve's slope there (s/node).
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._fitted: tuple[float, float | None] | None = None
+
+    def add(self, base_tokens: int, nodes: int, seconds: float) -> None:
+        plain = self.curve(base_tokens)
+        self._samples.append((seconds / plain, nodes / plain, self.curve.slope(base_tokens)))
+        self._fitted = None
+
+    def seconds(self, base_tokens: int, nodes: np.ndarray | int) -> np.ndarray | float:
+        """Predicted time of a step with `base_tokens` and `nodes` drafted nodes."""
+        scale, per_node = self.fit()
+        floor = scale * self.curve.slope(base_tokens)
+        return scale * self.curve(base_tokens) + (floor if per_node is None else max(per_node, floor)) * nodes
+
+    def fit(self) -> tuple[float, float | None]:
+        """(scale, seconds per node): (1, None) before `min_samples` steps; per node None where
+        the steps measured had no spread of tree sizes to fit it from."""
+        if self._fitted is None:
+            self._fitted = self._theil_sen()
+        return self._fitted
+
+    def _theil_sen(self) -> tuple[float, float | None]:
+        if len(self._samples) < self.min_samples:
+            return 1.0, None
+        ratio, x, slope = np.asarray(self._samples).T
+        i, j = np.triu_indices(len(ratio), 1)
+        spread = np.abs(x[j] - x[i]) > 1e-9
+        if not spread.any():
+            # No spread: the curve's own slope prices the nodes, ratio = scale * (1 + slope * x).
+            return float(np.median(ratio / (1 + slope * x))), None
+        per_node = float(np.median((ratio[j] - ratio[i])[spread] / (x[j] - x[i])[spread]))
+        return float(np.median(ratio - per_node * x)), per_node
 
 
 @dataclass
@@ -76,6 +131,10 @@ class ForwardCost:
         i = np.minimum(np.maximum(np.searchsorted(sizes, n), 1), len(sizes) - 1)
         n0, n1, t0, t1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
         return np.maximum(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)
+
+    def slope(self, num_tokens: int) -> float:
+        """Seconds per extra token of a forward of `num_tokens` (over the next `SLOPE_SPAN`)."""
+        return (self(num_tokens + SLOPE_SPAN) - self(num_tokens)) / SLOPE_SPAN
 
     def to_json(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds}

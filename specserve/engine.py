@@ -218,8 +218,10 @@ class LLMEngine:
             tokens = sample(logits, [s.seq.sampling_row() for s, _ in plain])
             for (s, row), token in zip(plain, tokens, strict=True):
                 deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
-        num_tokens = sum(s.num_tokens for s in plan.scheduled) + sum(d.num_drafted for d in drafts.values())
-        self.policy.observe_step(len(plan.scheduled), num_tokens, bool(drafts), time.perf_counter() - start)
+        # Sized as the scheduler sized its budgets: by decoding sequences, then tokens and nodes.
+        decoding = sum(1 for s in plan.scheduled if s.num_tokens == 1)
+        self.policy.observe_step(decoding, sum(s.num_tokens for s in plan.scheduled),
+                                 sum(d.num_drafted for d in drafts.values()), time.perf_counter() - start)
         return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
 
     # -- speculation ----------------------------------------------------------------------------

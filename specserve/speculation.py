@@ -3,15 +3,15 @@
 For the decoding sequences of a step, the adaptive policy picks b_r drafted nodes each to
 maximise the step's expected emitted tokens per second:
 
-    rate(b) = sum_r (1 + E_r(b_r)) / (T(N0 + sum_r b_r) + sum_d D_d(b))
+    rate(b) = sum_r (1 + E_r(b_r)) / (T(sum_r b_r) + sum_d D_d(b))
 
 * E_r(b) = alpha_r + alpha_r^2 + ... + alpha_r^b: expected accepted tokens if each next
   drafted token is accepted with probability alpha_r, the sequence's measured acceptance
   (shrunk toward its drafter's while the sequence has few steps of its own);
-* T: the calibrated cost of a target forward of N tokens (`specserve.cost_model`), N0 the
-  step's tokens without trees (decodes and prompt chunks), times a correction learned from
-  measured steps, kept apart for steps with and without trees and by batch size: a batch with
-  trees loses the decode-only fast paths and pays for verification, which a single-chain
+* T: the step's forward, `specserve.cost_model.StepCost` of its batch size: the calibrated
+  cost of a forward of the step's own tokens (decodes and prompt chunks), scaled, plus a price
+  per drafted node, both fitted to the steps measured at that batch size: a batch with trees
+  loses the decode-only fast paths and pays for verification, which the single-chain
   calibration cannot see;
 * D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
   (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from drafters.base import Drafter
-from specserve.cost_model import ForwardCost, RecentMedian
+from specserve.cost_model import ForwardCost, StepCost
 from specserve.sequence import Sequence
 
 PRIOR_STEPS = 4  # a new sequence's acceptance counts its drafter's as this many steps of its own
@@ -55,7 +55,7 @@ class SpeculationPolicy:
         self.adaptive = adaptive
         self.forward_cost = forward_cost
         self._drafters: dict[int, _DrafterRecord] = {}
-        self._scales: dict[tuple[bool, int], RecentMedian] = {}  # (with trees, batch bucket) -> measured / calibrated
+        self._step_costs: dict[int, StepCost] = {}  # by batch bucket (bit length of the decoding sequences)
         # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
         # deciding whether another draft forward pays (None when not adaptive).
         self.token_seconds: float | None = None
@@ -67,33 +67,21 @@ class SpeculationPolicy:
         record.accepted += accepted
         record.rejected += 1
 
-    def observe_step(self, num_seqs: int, num_tokens: int, with_trees: bool, seconds: float) -> None:
-        """A step's measured time from its forward to its last emitted token (drafting excluded)."""
-        if self.forward_cost is None:
-            return
-        key = (with_trees, num_seqs.bit_length())
-        self._scales.setdefault(key, RecentMedian()).add(seconds / self.forward_cost(num_tokens))
+    def observe_step(self, num_seqs: int, base_tokens: int, nodes: int, seconds: float) -> None:
+        """A step's measured time from its forward to its last emitted token (drafting excluded):
+        `base_tokens` of decodes and prompt chunks, `nodes` drafted nodes."""
+        if self.forward_cost is not None:
+            self._step_cost(num_seqs).add(base_tokens, nodes, seconds)
 
-    def step_seconds(self, num_seqs: int, num_tokens: int, with_trees: bool) -> float:
+    def step_seconds(self, num_seqs: int, base_tokens: int, nodes: int = 0) -> float:
         """Predicted time of a step (without drafting)."""
-        plain, trees = self._step_scales(num_seqs)
-        return (trees if with_trees else plain) * self.forward_cost(num_tokens)
+        return float(self._step_cost(num_seqs).seconds(base_tokens, nodes))
 
-    def _step_scales(self, num_seqs: int) -> tuple[float, float]:
-        """Measured / calibrated step time, for steps without and with trees. Where only one
-        kind is measured, the other is assumed to scale alike, so the choice rests on the
-        calibrated curve and acceptance alone: trees, unmeasured, get drafted and so measured;
-        and a busy speculating engine, which seldom runs a plain step, does not take trees to
-        be cheaper than plain steps because its plain steps are still at the calibration's
-        guess while its tree steps came out faster."""
-        plain, trees = self._scale(False, num_seqs), self._scale(True, num_seqs)
-        if plain is None and trees is None:
-            return 1.0, 1.0
-        return plain or trees, trees or plain
-
-    def _scale(self, with_trees: bool, num_seqs: int) -> float | None:
-        measured = self._scales.get((with_trees, num_seqs.bit_length()))
-        return None if measured is None else measured.value
+    def _step_cost(self, num_seqs: int) -> StepCost:
+        bucket = num_seqs.bit_length()
+        if bucket not in self._step_costs:
+            self._step_costs[bucket] = StepCost(self.forward_cost)
+        return self._step_costs[bucket]
 
     def acceptance(self, seq: Sequence) -> float:
         """alpha: the probability that the next drafted token is accepted, for this sequence."""
@@ -120,9 +108,8 @@ class SpeculationPolicy:
     def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
                       num_seqs: int) -> dict[Sequence, int]:
         budgets = dict.fromkeys(caps, 0)
-        # The scales once per decision: each is a median of recent steps, too dear to take per node.
-        plain_scale, tree_scale = self._step_scales(num_seqs)
-        plain_rate = num_seqs / (plain_scale * self.forward_cost(base_tokens))  # each emits >= 1 token
+        step_cost = self._step_cost(num_seqs)
+        plain_rate = num_seqs / step_cost.seconds(base_tokens, 0)  # each emits >= 1 token
         self.token_seconds = 1.0 / plain_rate
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
@@ -134,8 +121,7 @@ class SpeculationPolicy:
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
-        seconds = tree_scale * self.forward_cost.many(base_tokens + np.arange(1, len(rows) + 1))
-        seconds += self._draft_seconds(seqs, rows, depths)
+        seconds = step_cost.seconds(base_tokens, np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths)
         rates = tokens / seconds
         best = int(np.argmax(rates))
         if rates[best] <= plain_rate:

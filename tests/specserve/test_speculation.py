@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from drafters.ngram import NgramDrafter
-from specserve.cost_model import ForwardCost, RecentMedian, calibration_sizes
+from specserve.cost_model import ForwardCost, RecentMedian, StepCost, calibration_sizes
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence
@@ -83,12 +83,28 @@ def test_measured_steps_correct_the_curve_and_trees_that_slow_steps_down_stop():
     policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
     seqs = [decoding(i, accepted=12, steps=10) for i in range(32)]  # ~0.55 per drafted token
     assert sum(policy.budgets(dict.fromkeys(seqs, 8), 32, 1024).values()) > 0  # trees look nearly free
-    for _ in range(50):
-        policy.observe_step(32, 32, with_trees=False, seconds=FLAT(32))
-        policy.observe_step(32, 64, with_trees=True, seconds=2 * FLAT(32))  # steps with trees: twice as slow
-    assert policy.step_seconds(32, 32, with_trees=False) == pytest.approx(FLAT(32), rel=0.01)
+    for nodes in range(1, 33):
+        policy.observe_step(32, 32, 0, seconds=FLAT(32))
+        policy.observe_step(32, 32, nodes, seconds=FLAT(32) * (1 + nodes / 32))  # 32 nodes: twice as slow
+    assert policy.step_seconds(32, 32) == pytest.approx(FLAT(32), rel=0.01)
     assert sum(policy.budgets(dict.fromkeys(seqs, 8), 32, 1024).values()) == 0
     assert policy.budgets({seqs[0]: 8}, 1, 1024)[seqs[0]] > 0  # batch 1 was never measured slower
+
+
+def test_a_node_is_priced_as_measured_not_as_the_curves_slope():
+    """8 decodes, where the single-chain curve says 8 more rows cost 2%: measured, each node
+    costs 2% of the step. The 8 sequences' first nodes (worth 0.25 tokens, 3% of the step's
+    8) still pay; their second nodes (0.06 tokens, under 1%) do not."""
+    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    for step in range(300):  # the drafter's record: 1 in 4 drafted tokens accepted, long explored
+        policy.observe_verify(DRAFTER, int(step % 3 == 0))
+    seqs = [decoding(i, accepted=4, steps=12) for i in range(8)]  # alpha = 0.25
+    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 8, 1024).values()) > 8  # the curve: deep trees
+    plain = FLAT(8)
+    for nodes in (0, 4, 8, 12, 16, 0, 6, 10):
+        policy.observe_step(8, 8, nodes, seconds=plain * (1 + 0.02 * nodes))
+    assert policy.step_seconds(8, 8, 10) == pytest.approx(1.2 * plain)
+    assert policy.budgets(dict.fromkeys(seqs, 8), 8, 1024) == dict.fromkeys(seqs, 1)
 
 
 def test_trees_measured_faster_than_the_curve_do_not_make_unmeasured_plain_steps_look_dear():
@@ -98,8 +114,8 @@ def test_trees_measured_faster_than_the_curve_do_not_make_unmeasured_plain_steps
     policy = SpeculationPolicy(adaptive=True, forward_cost=STEEP)
     seqs = [decoding(i, accepted=10, steps=10) for i in range(8)]  # ~0.5 per drafted token
     for _ in range(5):
-        policy.observe_step(8, 16, with_trees=True, seconds=0.7 * STEEP(16))
-    assert policy.step_seconds(8, 8, with_trees=False) == pytest.approx(0.7 * STEEP(8))
+        policy.observe_step(8, 8, 8, seconds=0.7 * STEEP(16))
+    assert policy.step_seconds(8, 8) == pytest.approx(0.7 * STEEP(8))
     assert sum(policy.budgets(dict.fromkeys(seqs, 8), 8, 1024).values()) == 0  # every row costs a forward
 
 
@@ -108,11 +124,30 @@ def test_one_slow_step_does_not_switch_speculation_off_for_good():
     no trees, nothing would measure them again."""
     policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
     seq = decoding(0, accepted=30, steps=10)
-    policy.observe_step(1, 9, with_trees=True, seconds=20 * FLAT(9))
+    policy.observe_step(1, 1, 8, seconds=20 * FLAT(9))
     assert policy.budgets({seq: 8}, 1, 1024)[seq] > 0
     for _ in range(3):
-        policy.observe_step(1, 9, with_trees=True, seconds=FLAT(9))
-    assert policy.step_seconds(1, 9, with_trees=True) == pytest.approx(FLAT(9))
+        policy.observe_step(1, 1, 8, seconds=FLAT(9))
+    assert policy.step_seconds(1, 1, 8) == pytest.approx(FLAT(9))
+
+
+def test_step_cost_fits_scale_and_price_per_node_through_outliers():
+    cost = StepCost(FLAT, window=32)
+    assert cost.fit() == (1.0, None)  # nothing measured: the curve as it is
+    plain = FLAT(8)
+    for i, nodes in enumerate([0, 3, 6, 9, 12] * 4):
+        slow = 5.0 if i in (3, 11) else 1.0  # a noisy neighbour, twice
+        cost.add(8, nodes, slow * (0.8 * plain + 0.002 * nodes))
+    scale, per_node = cost.fit()
+    assert scale == pytest.approx(0.8) and per_node == pytest.approx(0.002)
+    assert cost.seconds(8, np.array([0, 10])) == pytest.approx([0.8 * plain, 0.8 * plain + 0.02])
+
+
+def test_a_node_never_costs_less_than_the_curves_slope():
+    cost = StepCost(STEEP)
+    for nodes in (0, 8, 16):
+        cost.add(1, nodes, STEEP(1))  # nodes measured free: noise, or a lucky machine
+    assert cost.seconds(1, 8) == pytest.approx(STEEP(9))
 
 
 def test_recent_median_waits_for_samples_and_ignores_outliers():
