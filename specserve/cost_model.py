@@ -81,9 +81,13 @@ class StepCost:
 
     def seconds(self, base_tokens: int, nodes: np.ndarray | int) -> np.ndarray | float:
         """Predicted time of a step with `base_tokens` and `nodes` drafted nodes."""
+        return self.fit()[0] * self.curve(base_tokens) + self.node_seconds(base_tokens) * nodes
+
+    def node_seconds(self, base_tokens: int) -> float:
+        """The price of one drafted node in a step with `base_tokens`."""
         scale, per_node = self.fit()
         floor = scale * self.curve.slope(base_tokens)
-        return scale * self.curve(base_tokens) + (floor if per_node is None else max(per_node, floor)) * nodes
+        return floor if per_node is None else max(per_node, floor)
 
     def fit(self) -> tuple[float, float | None]:
         """(scale, seconds per node): (1, None) before `min_samples` steps; per node None where

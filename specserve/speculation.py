@@ -112,10 +112,13 @@ class SpeculationPolicy:
         plain_rate = num_seqs / step_cost.seconds(base_tokens, 0)  # each emits >= 1 token
         self.token_seconds = 1.0 / plain_rate
         seqs = [seq for seq, cap in caps.items() if cap > 0]
-        if not seqs or max_total <= 0:
+        alphas = [self._credited_alpha(seq) for seq in seqs]
+        # The best node (alpha) is worth less than a node costs, even before drafting: then so
+        # is every prefix of nodes. The common case of a busy server, decided without the rest.
+        if not seqs or max_total <= 0 or max(alphas) * self.token_seconds <= step_cost.node_seconds(base_tokens):
             return budgets
-        rows, depths, gains = _nodes_by_gain([self._credited_alpha(seq) for seq in seqs],
-                                             [caps[seq] for seq in seqs], [seq.seq_id for seq in seqs], max_total)
+        rows, depths, gains = _nodes_by_gain(alphas, [caps[seq] for seq in seqs], [seq.seq_id for seq in seqs],
+                                             max_total)
         if not len(rows):
             return budgets
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
