@@ -71,12 +71,17 @@ class StepCost:
         self.curve = curve
         self.min_samples = min_samples
         # Per step: measured / calibrated, nodes / calibrated, the curve's slope there (s/node).
-        self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # Plain steps and steps with trees are kept apart, `window` of each: a busy server runs
+        # tree steps seldom, and its plain steps must not push out what those measured, or
+        # every few dozen steps the price of a node would fall back to the curve's and another
+        # costly tree step would go to measure it again.
+        self._plain: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._trees: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._fitted: tuple[float, float | None] | None = None
 
     def add(self, base_tokens: int, nodes: int, seconds: float) -> None:
         plain = self.curve(base_tokens)
-        self._samples.append((seconds / plain, nodes / plain, self.curve.slope(base_tokens)))
+        (self._trees if nodes else self._plain).append((seconds / plain, nodes / plain, self.curve.slope(base_tokens)))
         self._fitted = None
 
     def seconds(self, base_tokens: int, nodes: np.ndarray | int) -> np.ndarray | float:
@@ -90,19 +95,19 @@ class StepCost:
         return floor if per_node is None else max(per_node, floor)
 
     def fit(self) -> tuple[float, float | None]:
-        """(scale, seconds per node): (1, None) before `min_samples` steps; per node None where
-        the steps measured had no spread of tree sizes to fit it from."""
+        """(scale, seconds per node): (1, None) before `min_samples` steps; per node None before
+        `min_samples` steps with trees, or where the steps had no spread of sizes to fit it from."""
         if self._fitted is None:
             self._fitted = self._theil_sen()
         return self._fitted
 
     def _theil_sen(self) -> tuple[float, float | None]:
-        if len(self._samples) < self.min_samples:
+        if len(self._plain) + len(self._trees) < self.min_samples:
             return 1.0, None
-        ratio, x, slope = np.asarray(self._samples).T
+        ratio, x, slope = np.asarray([*self._plain, *self._trees]).T
         i, j = np.triu_indices(len(ratio), 1)
         spread = np.abs(x[j] - x[i]) > 1e-9
-        if not spread.any():
+        if len(self._trees) < self.min_samples or not spread.any():
             # No spread: the curve's own slope prices the nodes, ratio = scale * (1 + slope * x).
             return float(np.median(ratio / (1 + slope * x))), None
         per_node = float(np.median((ratio[j] - ratio[i])[spread] / (x[j] - x[i])[spread]))

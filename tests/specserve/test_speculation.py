@@ -143,9 +143,19 @@ def test_step_cost_fits_scale_and_price_per_node_through_outliers():
     assert cost.seconds(8, np.array([0, 10])) == pytest.approx([0.8 * plain, 0.8 * plain + 0.02])
 
 
+def test_a_busy_servers_plain_steps_do_not_make_it_forget_what_its_few_trees_cost():
+    cost = StepCost(FLAT, window=8)
+    for _ in range(3):
+        cost.add(64, 0, FLAT(64))
+        cost.add(64, 2, FLAT(64) * 1.2)  # two nodes padded every decode's attention: +20%
+    for _ in range(100):
+        cost.add(64, 0, FLAT(64))
+    assert cost.node_seconds(64) == pytest.approx(0.1 * FLAT(64))
+
+
 def test_a_node_never_costs_less_than_the_curves_slope():
     cost = StepCost(STEEP)
-    for nodes in (0, 8, 16):
+    for nodes in (0, 4, 8, 16):
         cost.add(1, nodes, STEEP(1))  # nodes measured free: noise, or a lucky machine
     assert cost.seconds(1, 8) == pytest.approx(STEEP(9))
 
