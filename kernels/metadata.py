@@ -13,10 +13,16 @@ from typing import Protocol
 
 import torch
 
-# A padded path pads requests to their group's longest tree; a group's longest is less than
-# this many times its shortest: a 1-node decode is not padded up to a 16-node tree, while a
-# few more padded rows cost less than another attention call (each ~0.2 ms on a CPU).
-PAD_RATIO = 8
+# A padded path pads each group of requests to its longest tree and its longest sequence, in one
+# attention call. What a group costs, in units of one query row attending to one key:
+#     PAD_CALL_COST + requests x longest sequence x (PAD_KEY_COST + longest tree).
+# A key costs ~9 rows (gathering it from the paged cache and loading it dominate the few
+# query rows of a decode), and a call ~8000 (~0.17 ms), as `_padded_attention` measured on a
+# 2-core CPU in bf16 (SmolLM2's 9 query and 3 K/V heads, contexts 200-600, 1-64 requests).
+# So a tree of 2 nodes among 63 decodes gets a call of its own (padding them all to 2 rows
+# costs ~15% more attention than one extra call), while a few trees of similar size share one.
+PAD_KEY_COST = 9
+PAD_CALL_COST = 8000
 
 
 class TreeLike(Protocol):
@@ -190,17 +196,15 @@ class AttentionMetadata:
 
     @cached_property
     def padding_groups(self) -> list[tuple[torch.Tensor | None, AttentionMetadata]]:
-        """The requests split into groups of similar tree length, for a padded path to pad each
-        group apart: a step's decodes are not padded up to its long trees, nor its short trees
-        up to a long prompt chunk. Per group: its flat token indices (None when one group has them all)
-        and its own metadata. In a group, the longest tree is < PAD_RATIO x the shortest."""
+        """The requests split into groups for a padded path to pad each apart, at the least cost
+        (see PAD_CALL_COST): a step's decodes are not padded up to its trees, nor its trees up
+        to a long prompt chunk, unless another call costs more than the padding. Per group: its
+        flat token indices (None when one group has them all) and its own metadata."""
         lens = self.tree_lens.tolist()
-        groups: list[list[int]] = []
-        for b in sorted(range(len(lens)), key=lambda b: -lens[b]):
-            if groups and lens[b] * PAD_RATIO > lens[groups[-1][0]]:
-                groups[-1].append(b)
-            else:
-                groups.append([b])
+        seq_lens = (self.context_lens + self.tree_lens).tolist()
+        order = sorted(range(len(lens)), key=lambda b: -lens[b])
+        groups = [order[start:end] for start, end in _cheapest_split([lens[b] for b in order],
+                                                                      [seq_lens[b] for b in order])]
         if len(groups) == 1:
             return [(None, self)]
         return [self._select(sorted(group)) for group in groups]
@@ -226,6 +230,29 @@ class AttentionMetadata:
             all_chains=self.all_chains,
         )
         return tokens, meta
+
+
+def _cheapest_split(tree_lens: list[int], seq_lens: list[int]) -> list[tuple[int, int]]:
+    """Requests sorted by tree length (longest first) cut into contiguous groups of the least
+    total padded cost: (start, end) per group. Cuts fall only between different tree lengths,
+    so a step of a few distinct sizes is a small dynamic program, whatever its batch."""
+    runs = [0] + [i for i in range(1, len(tree_lens)) if tree_lens[i] != tree_lens[i - 1]] + [len(tree_lens)]
+    run_max_seq = [max(seq_lens[a:b]) for a, b in zip(runs, runs[1:], strict=False)]
+    # best[j]: least cost of the first runs[j] requests, and where its last group starts.
+    best: list[tuple[float, int]] = [(0.0, 0)]
+    for j in range(1, len(runs)):
+        longest_seq, options = 0, []
+        for i in range(j - 1, -1, -1):  # the last group: runs i .. j-1
+            longest_seq = max(longest_seq, run_max_seq[i])
+            cost = PAD_CALL_COST + (runs[j] - runs[i]) * longest_seq * (PAD_KEY_COST + tree_lens[runs[i]])
+            options.append((best[i][0] + cost, i))
+        best.append(min(options))
+    cuts, j = [], len(runs) - 1
+    while j > 0:
+        i = best[j][1]
+        cuts.append((runs[i], runs[j]))
+        j = i
+    return cuts[::-1]
 
 
 def compaction_slots(

@@ -76,8 +76,27 @@ def test_decodes_trees_and_prompt_chunks_are_padded_apart():
 
     meta = AttentionMetadata.build(trees, contexts, tables, block_size)
     groups = [sorted(group.tree_lens.tolist()) for _, group in meta.padding_groups]
-    assert sorted(groups) == [[1, 1, 3], [9, 40]]  # longest < PAD_RATIO x shortest
+    assert sorted(groups) == [[1, 1, 3], [9, 40]]
     check_against_dense(requests, tables, k_cache, v_cache, block_size, heads)
+
+
+def group_sizes(tree_lens: list[int], context_len: int) -> list[list[int]]:
+    meta = AttentionMetadata.build([TokenTree.chain(range(n)) for n in tree_lens], [context_len] * len(tree_lens),
+                                   [list(range(-(-(context_len + n) // 16))) for n in tree_lens], 16)
+    return sorted(sorted(group.tree_lens.tolist()) for _, group in meta.padding_groups)
+
+
+def test_a_lone_small_tree_gets_a_call_of_its_own_rather_than_padding_a_big_batch_of_decodes():
+    assert group_sizes([1] * 63 + [2], 200) == [[1] * 63, [2]]
+
+
+def test_a_few_trees_of_similar_size_share_one_call_with_the_decodes():
+    assert group_sizes([3, 3, 2, 2, 2, 1, 1, 1], 600) == [[1, 1, 1, 2, 2, 2, 3, 3]]
+
+
+def test_one_group_is_the_whole_step_without_copies():
+    meta = AttentionMetadata.build([TokenTree.single(1)] * 4, [100] * 4, [list(range(7))] * 4, 16)
+    assert meta.padding_groups == [(None, meta)]
 
 
 def check_against_dense(requests, tables, k_cache, v_cache, block_size: int, heads: int) -> None:
