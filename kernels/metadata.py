@@ -19,8 +19,8 @@ import torch
 # A key costs ~9 rows (gathering it from the paged cache and loading it dominate the few
 # query rows of a decode), and a call ~8000 (~0.17 ms), as `_padded_attention` measured on a
 # 2-core CPU in bf16 (SmolLM2's 9 query and 3 K/V heads, contexts 200-600, 1-64 requests).
-# So a tree of 2 nodes among 63 decodes gets a call of its own (padding them all to 2 rows
-# costs ~15% more attention than one extra call), while a few trees of similar size share one.
+# So a tree of 2 nodes among 63 decodes at context 200 gets a call of its own rather than
+# padding all of them to 2 rows, while a few trees of similar size share one call.
 PAD_KEY_COST = 9
 PAD_CALL_COST = 8000
 
