@@ -5,9 +5,11 @@ maximise the step's expected emitted tokens per second:
 
     rate(b) = sum_r (1 + E_r(b_r)) / (T(sum_r b_r) + sum_d D_d(b))
 
-* E_r(b) = alpha_r + alpha_r^2 + ... + alpha_r^b: expected accepted tokens if each next
-  drafted token is accepted with probability alpha_r, the sequence's measured acceptance
-  (shrunk toward its drafter's while the sequence has few steps of its own);
+* E_r(b) = P_r(1) + ... + P_r(b), P_r(k) the probability that the first k drafted tokens are
+  all accepted: the drafter's own estimate for what it would propose this step where it has
+  one (`Drafter.acceptance_profile`: n-gram lookup knows a 3-token match from a 1-token one),
+  else alpha_r^k, alpha_r the sequence's measured acceptance (shrunk toward its drafter's
+  while the sequence has few steps of its own);
 * T: the step's forward, `specserve.cost_model.StepCost` of its batch size: the calibrated
   cost of a forward of the step's own tokens (decodes and prompt chunks), scaled, plus a price
   per drafted node, both fitted to the steps measured at that batch size: a batch with trees
@@ -16,9 +18,10 @@ maximise the step's expected emitted tokens per second:
 * D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
   (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
 
-Nodes are ordered by marginal gain (alpha_r^k for sequence r's k-th node), and the best
-prefix of that order wins, b = 0 included: at high load, where every extra row costs
-real time, nothing is speculated and the engine runs as fast as without speculation.
+Nodes are ordered by marginal gain (P_r(k) for sequence r's k-th node), and the best
+prefix of that order wins, b = 0 included: at high load, where every extra row costs real
+time, only the surest guesses are verified, or none, and the engine runs as fast as without
+speculation.
 """
 
 from __future__ import annotations
@@ -112,13 +115,14 @@ class SpeculationPolicy:
         plain_rate = num_seqs / step_cost.seconds(base_tokens, 0)  # each emits >= 1 token
         self.token_seconds = 1.0 / plain_rate
         seqs = [seq for seq, cap in caps.items() if cap > 0]
-        alphas = [self._credited_alpha(seq) for seq in seqs]
-        # The best node (alpha) is worth less than a node costs, even before drafting: then so
-        # is every prefix of nodes. The common case of a busy server, decided without the rest.
-        if not seqs or max_total <= 0 or max(alphas) * self.token_seconds <= step_cost.node_seconds(base_tokens):
+        if not seqs or max_total <= 0:
             return budgets
-        rows, depths, gains = _nodes_by_gain(alphas, [caps[seq] for seq in seqs], [seq.seq_id for seq in seqs],
-                                             max_total)
+        gains = self._gains(seqs, [caps[seq] for seq in seqs])
+        # The best node is worth less than a node costs, even before drafting: then so is every
+        # prefix of nodes. The common case of a busy server, decided without the rest.
+        if gains[:, 0].max() * self.token_seconds <= step_cost.node_seconds(base_tokens):
+            return budgets
+        rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], max_total)
         if not len(rows):
             return budgets
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
@@ -133,6 +137,16 @@ class SpeculationPolicy:
         for row, count in enumerate(np.bincount(rows[: best + 1], minlength=len(seqs))):
             budgets[seqs[row]] = int(count)
         return budgets
+
+    def _gains(self, seqs: list[Sequence], caps: list[int]) -> np.ndarray:
+        """P_r(k) for every sequence r and k = 1..its cap (0 beyond): the drafter's estimate of
+        this step's proposal, or the sequence's credited acceptance to the k-th power."""
+        depth = np.arange(1, max(caps) + 1)
+        gains = np.zeros((len(seqs), len(depth)))
+        for row, (seq, cap) in enumerate(zip(seqs, caps, strict=True)):
+            profile = seq.drafter.acceptance_profile(seq.seq_id, seq.token_ids, cap)
+            gains[row, :cap] = self._credited_alpha(seq) ** depth[:cap] if profile is None else profile
+        return gains
 
     def _credited_alpha(self, seq: Sequence) -> float:
         """Acceptance plus the drafter's exploration credit (see EXPLORE)."""
@@ -156,13 +170,11 @@ class SpeculationPolicy:
         return self._drafters.setdefault(id(drafter), _DrafterRecord())
 
 
-def _nodes_by_gain(alphas: list[float], caps: list[int], seq_ids: list[int],
-                   max_total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every (sequence row, k-th drafted node) whose marginal gain alpha^k is at least MIN_GAIN,
-    best first (ties: older sequence first), at most `max_total`: (rows, k, gains)."""
-    depth = np.arange(1, max(caps) + 1)
-    gains = np.asarray(alphas)[:, None] ** depth[None, :]
-    rows, cols = np.nonzero((depth[None, :] <= np.asarray(caps)[:, None]) & (gains >= MIN_GAIN))
-    gains = gains[rows, cols]
-    order = np.lexsort((cols, np.asarray(seq_ids)[rows], -gains))[:max_total]
-    return rows[order], cols[order] + 1, gains[order]
+def _nodes_by_gain(gains: np.ndarray, seq_ids: list[int], max_total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (sequence row, k-th drafted node) whose marginal gain `gains[row, k - 1]` (non-
+    increasing along a row) is at least MIN_GAIN, best first (ties: shallower node, then older
+    sequence), at most `max_total`: (rows, k, gains)."""
+    rows, cols = np.nonzero(gains >= MIN_GAIN)
+    values = gains[rows, cols]
+    order = np.lexsort((np.asarray(seq_ids)[rows], cols, -values))[:max_total]
+    return rows[order], cols[order] + 1, values[order]

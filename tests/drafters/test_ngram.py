@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from drafters.base import DraftRequest
@@ -69,3 +70,46 @@ def test_merge_keeps_the_first_tree_whole_and_dedupes():
     for kids in tree.children:  # no duplicate siblings
         assert len({tree.tokens[k] for k in kids}) == len(kids)
     assert merged.spec == "ngram+ngram"
+
+
+def test_small_budgets_go_to_the_best_matchs_chain():
+    tokens = [1, 2, 3, 5, 1, 2, 4, 6, 1, 2]  # "1 2" was followed by "4 6" and by "3 5"
+    assert propose(NgramDrafter(), tokens, max_nodes=2, max_depth=2).tokens == (2, 4, 6)
+    assert propose(NgramDrafter(), tokens, max_nodes=4, max_depth=2).tokens == (2, 4, 6, 3, 5)
+
+
+def grow(drafter, tokens, seq_id=0, start=1):
+    """Let the sequence emit `tokens` one by one, asked for its profile every step (as the policy asks)."""
+    for length in range(start, len(tokens) + 1):
+        drafter.acceptance_profile(seq_id, tokens[:length], 4)
+
+
+def test_guesses_are_scored_against_what_followed_whether_verified_or_not():
+    """A phrase that comes back (3-token matches come true) amid random tokens (1-token matches
+    mostly do not): the drafter learns which of its guesses are worth verifying."""
+    rng = random.Random(0)
+    phrase = list(range(100, 120))
+    tokens = []
+    for _ in range(12):
+        tokens += [rng.randrange(50) for _ in range(30)] + phrase
+    drafter = NgramDrafter()
+    grow(drafter, tokens)
+    # A 3-token match whose three latest occurrences agree, and a 1-token match seen once.
+    confident = drafter.acceptance_profile(1, [*phrase[:5], 7, *phrase[:5], 8, *phrase[:5], 9, *phrase[:3]], 4)
+    doubtful = drafter.acceptance_profile(2, [7, 8, 9, 7], 4)
+    assert confident[0] > 0.9 and confident[3] > 0.5
+    assert doubtful[0] < 0.2
+    assert all(np.diff(confident) <= 0) and all(np.diff(doubtful) <= 0)  # P(first k all come true)
+
+
+def test_an_unscored_kind_of_match_is_a_coin_flip_and_no_match_is_worth_nothing():
+    drafter = NgramDrafter()
+    assert drafter.acceptance_profile(0, [1, 2, 3, 1, 2], 2) == pytest.approx([0.5, 0.25])
+    assert list(drafter.acceptance_profile(1, [1, 2, 3, 4], 3)) == [0, 0, 0]
+
+
+def test_a_guess_still_coming_true_when_its_sequence_ends_counts_for_what_it_reached():
+    drafter = NgramDrafter()
+    grow(drafter, [5, 6, 7, 8, 5, 6, 7], seq_id=3, start=5)  # guesses "7 8 5 6 7": right so far
+    drafter.release(3)
+    assert drafter.acceptance_profile(4, [1, 2, 3, 1, 2], 1)[0] > 0.5  # its 2-token match's guess came true

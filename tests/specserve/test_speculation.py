@@ -19,7 +19,14 @@ class NullTokenizer:
         return ""
 
 
-DRAFTER = NgramDrafter()
+class MeasuredDrafter(NgramDrafter):
+    """Judged by its sequences' measured acceptance, as draft models are (no estimate of its own)."""
+
+    def acceptance_profile(self, seq_id, token_ids, max_depth):
+        return None
+
+
+DRAFTER = MeasuredDrafter()
 
 
 def decoding(seq_id: int, accepted: int = 0, steps: int = 0) -> Sequence:
@@ -67,7 +74,7 @@ def test_speculation_shrinks_as_the_batch_grows():
     assert totals[0] >= totals[1] > totals[2] == 0
 
 
-class CostlyDrafter(NgramDrafter):
+class CostlyDrafter(MeasuredDrafter):
     def step_cost(self, max_nodes: int) -> float:
         return 0.05 * max_nodes  # a whole forward per drafted node
 
@@ -201,3 +208,32 @@ def test_forward_cost_never_falls_with_more_tokens():
     assert cost(2) == pytest.approx(0.063) and cost(1) == pytest.approx(0.063)
     sizes = np.arange(1, 64)
     assert np.all(np.diff(cost.many(sizes)) >= 0)
+
+
+class KnowingDrafter(MeasuredDrafter):
+    """Knows before drafting what each sequence's proposal is worth (as n-gram lookup does)."""
+
+    def __init__(self, first_token: dict[int, float]):
+        super().__init__()
+        self.first_token = first_token
+
+    def acceptance_profile(self, seq_id, token_ids, max_depth):
+        return self.first_token[seq_id] * 0.8 ** np.arange(max_depth)
+
+
+def test_a_busy_step_verifies_just_the_guesses_its_drafter_is_confident_of():
+    """64 sequences at a measured 45% acceptance each: no node pays where a node costs half a
+    token's worth. Told that 8 of this step's guesses are 90% sure and the rest 40%, the policy
+    verifies those 8 and nothing else."""
+    cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])  # beyond 64 rows, a node costs ~half a token
+    seqs = [decoding(i, accepted=45, steps=55) for i in range(64)]
+    policy = SpeculationPolicy(adaptive=True, forward_cost=cost)
+    for step in range(400):  # long explored
+        policy.observe_verify(DRAFTER, step % 2)
+    assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+    drafter = KnowingDrafter({seq.seq_id: 0.9 if seq.seq_id % 8 == 0 else 0.4 for seq in seqs})
+    for seq in seqs:
+        seq.drafter = drafter
+    budgets = policy.budgets(dict.fromkeys(seqs, 8), 64, 1024)
+    assert all(budgets[seq] > 0 for seq in seqs if seq.seq_id % 8 == 0)
+    assert all(budgets[seq] == 0 for seq in seqs if seq.seq_id % 8)
