@@ -162,10 +162,12 @@ class NgramDrafter(Drafter):
         index = self._update(request.seq_id, tokens)
         paths = self._continuations(tokens, index, request.max_depth)
         budget = request.max_nodes
-        if len(paths) > 1 and budget < MIN_TREE_BUDGET:
+        if len(paths) > 1 and budget < MIN_TREE_BUDGET and request.temperature == 0:
             # A small budget is a busy step's, priced by the policy as the best match's chain:
-            # its next tokens are worth more than other matches' first ones (a 3-token match's
-            # second token came true 80% of the times its first did).
+            # under greedy verification its next tokens are worth more than other matches' first
+            # ones (a 3-token match's second token came true 80% of the times its first did).
+            # Sampled verification keeps the siblings: a rejected token's sibling gets a second
+            # draw (recursive rejection), which is where trees beat chains.
             paths = paths[:1]
         elif len(paths) > 1:
             # The best match runs deepest, but not so deep that no alternative gets a node: at
