@@ -17,7 +17,7 @@ server then verifies just the few confident guesses instead of none or all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -148,14 +148,17 @@ class NgramDrafter(Drafter):
             index.guesses.append(_Guess(kind, len(tokens), list(tokens[starts[-1] : starts[-1] + GUESS_DEPTH])))
         return index
 
-    def _best_match(self, tokens: Sequence[int], index: _Index) -> tuple[int, list[int]] | None:
-        """The longest n-gram ending the sequence that occurred before: (n, where each occurrence was followed)."""
+    def _matches(self, tokens: Sequence[int], index: _Index) -> Iterator[tuple[int, list[int]]]:
+        """Every n-gram ending the sequence that occurred before, longest first: (n, where each
+        occurrence was followed, oldest first)."""
         for n in reversed(self.sizes):
             if len(tokens) >= n:
                 starts = index.ngrams.get(n, {}).get(tuple(tokens[-n:]))
                 if starts:
-                    return n, starts
-        return None
+                    yield n, starts
+
+    def _best_match(self, tokens: Sequence[int], index: _Index) -> tuple[int, list[int]] | None:
+        return next(self._matches(tokens, index), None)
 
     def _propose(self, request: DraftRequest) -> Draft:
         tokens = request.token_ids
@@ -181,10 +184,8 @@ class NgramDrafter(Drafter):
             return []
         paths: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        for n in reversed(self.sizes):
-            if len(tokens) < n:
-                continue
-            for start in reversed(index.ngrams.get(n, {}).get(tuple(tokens[-n:]), [])):
+        for _, starts in self._matches(tokens, index):
+            for start in reversed(starts):
                 path = tuple(tokens[start : start + depth])
                 if path and path not in seen:
                     seen.add(path)
