@@ -1,8 +1,9 @@
 """Speculative decoding inside the continuous batcher is lossless.
 
-Greedy: the same tokens as without speculation, prompt by prompt, for 52 Spec-Bench questions
-run as one batch (and under preemption). Sampling: the same distribution (chi-square over
-20,000 draws), and a broken verifier is caught by the same test. Stops, max_tokens and EOS
+Greedy: the same tokens as without speculation, prompt by prompt, for Spec-Bench questions of
+all 13 categories run as one batch (4 per category for n-gram lookup, 1 for the model
+drafters, whose drafting is dearer) and under preemption (1 per category). Sampling: the same
+distribution (chi-square over 20,000 draws), and a broken verifier is caught by the same test. Stops, max_tokens and EOS
 that fall inside an accepted run cut it exactly there; per-request settings are honoured.
 """
 
@@ -58,7 +59,7 @@ def spec_bench(smollm2_path):
     questions = [json.loads(line) for line in PROMPTS_FILE.read_text().splitlines()]
     prompts = [engine.encode(q["prompt"], chat=True) for q in questions]
     reference = tokens_of(run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=32)))
-    return prompts, reference, {q["category"] for q in questions}
+    return prompts, reference, [q["category"] for q in questions]
 
 
 DRAFTERS = {  # every kind of drafter, and a merge of two (model drafters grow small trees here: speed;
@@ -76,7 +77,12 @@ DRAFTERS = {  # every kind of drafter, and a merge of two (model drafters grow s
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_greedy_speculation_equals_plain_decoding(smollm2_path, smollm2_draft_path, spec_bench, drafter, case):
     prompts, reference, categories = spec_bench
-    assert len(prompts) >= 40 and len(categories) == 13
+    # CI time: model drafters run fp32 SmolLM2 layers and its LM head every round, and preemption
+    # recomputes prompts, so those cases run one question per category (all 13 still covered).
+    per_category = 4 if (drafter, case) == ("ngram", "one-batch") else 1
+    chosen = [i for i, c in enumerate(categories) if categories[:i].count(c) < per_category]
+    prompts, reference = [prompts[i] for i in chosen], [reference[i] for i in chosen]
+    assert len({categories[i] for i in chosen}) == 13 and len(prompts) == 13 * per_category
     options: dict = {**DRAFTERS[drafter], "kv_cache_memory": "256MiB"}
     options["draft"] = options["draft"].format(draft=smollm2_draft_path)
     if case == "preemption":  # room for the longest sequence and a little more
