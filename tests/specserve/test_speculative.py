@@ -3,8 +3,9 @@
 Greedy: the same tokens as without speculation, prompt by prompt, for Spec-Bench questions of
 all 13 categories run as one batch (4 per category for n-gram lookup, 1 for the model
 drafters, whose drafting is dearer) and under preemption (1 per category). Sampling: the same
-distribution (chi-square over 20,000 draws), and a broken verifier is caught by the same test. Stops, max_tokens and EOS
-that fall inside an accepted run cut it exactly there; per-request settings are honoured.
+distribution (chi-square over 20,000 draws), and a broken verifier is caught by the same test.
+Stops, max_tokens and EOS that fall inside an accepted run cut it exactly there; per-request
+settings are honoured.
 """
 
 from __future__ import annotations
