@@ -51,67 +51,116 @@ class RecentMedian:
         return statistics.median(self._samples) if len(self._samples) >= self.min_samples else None
 
 
+@dataclass(frozen=True)
+class StepFit:
+    """A batch size's measured step costs, relative to the calibrated curve T (see `StepCost`)."""
+
+    scale: float = 1.0  # measured / calibrated, for a step's own tokens
+    tree_overhead: float = 0.0  # what a step pays for having trees at all, as a share of its T
+    per_node: float | None = None  # seconds per drafted node (None: not measured yet)
+
+
 class StepCost:
     """What a step of one batch size costs, fitted to recent measured steps: the calibrated
-    curve for the step's own tokens, scaled, plus a price per drafted node,
+    curve for the step's own tokens, scaled, plus what trees add,
 
-        seconds = scale * T(base_tokens) + per_node * nodes.
+        seconds = T(base_tokens) * (scale + tree_overhead * [nodes > 0]) + per_node * nodes.
 
     Scaling the single-chain curve at `base_tokens + nodes` instead cannot tell what a node
-    costs in a batch: there, a tree gets its own attention call, its nodes their logits and
-    verification, and a step of 8 decodes with a few nodes measured several times the curve's
-    slope per node, so trees that lost time looked like a gain. The fit is Theil-Sen's (the
-    median of the pairwise slopes of measured/calibrated against nodes/calibrated, and the
-    median intercept): steps of several tree sizes, plain ones included, pin both numbers,
-    and a warm-up outlier or a noisy neighbour's slow step moves neither. The price per node
-    is never below the curve's own slope (scaled): a row costs at least what it does in a chain.
+    costs in a batch: there, trees get an attention call of their own, their nodes logits and
+    verification, and the rows cross the matmul tiles the decodes filled; a step of 64 decodes
+    with 2 nodes measured ~5% slower, with 9 nodes ~10%. Hence a share per step with trees (so
+    that one small tree is known to be dear while many nodes at once may still pay) and a price
+    per node. The fits are Theil-Sen's (medians of pairwise slopes and of intercepts): the plain
+    steps give the scale, the tree steps of several sizes the price per node and, above the
+    scale, the overhead; a warm-up outlier or a noisy neighbour's slow step moves none of them.
+    With too few tree sizes to tell overhead from nodes, the nodes carry it all. A node never
+    costs less than the curve's own slope (scaled): a row costs at least what it does in a chain.
     """
 
-    def __init__(self, curve: ForwardCost, window: int = 32, min_samples: int = 3):
+    def __init__(self, curve: ForwardCost, window: int = 32, min_samples: int = 3, tree_memory: int = 500):
         self.curve = curve
         self.min_samples = min_samples
         # Per step: measured / calibrated, nodes / calibrated, the curve's slope there (s/node).
         # Plain steps and steps with trees are kept apart, `window` of each: a busy server runs
         # tree steps seldom, and its plain steps must not push out what those measured, or
-        # every few dozen steps the price of a node would fall back to the curve's and another
+        # every few dozen steps the price of trees would fall back to the curve's and another
         # costly tree step would go to measure it again.
         self._plain: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._trees: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._fitted: tuple[float, float | None] | None = None
+        # But not for ever: trees found dear are not drafted, so nothing would re-measure them,
+        # and a few slow steps (a noisy neighbour) would switch trees off at this batch size for
+        # good. Tree samples older than `tree_memory` steps are forgotten; then the next trees
+        # are priced by the plain steps again and measured anew (a few steps per `tree_memory`).
+        self.tree_memory = tree_memory
+        self._tree_steps: deque[int] = deque(maxlen=window)  # when each tree sample was taken
+        self._steps = 0
+        self._fitted: StepFit | None = None
 
     def add(self, base_tokens: int, nodes: int, seconds: float) -> None:
         plain = self.curve(base_tokens)
         (self._trees if nodes else self._plain).append((seconds / plain, nodes / plain, self.curve.slope(base_tokens)))
+        self._steps += 1
+        if nodes:
+            self._tree_steps.append(self._steps)
+        while self._tree_steps and self._tree_steps[0] <= self._steps - self.tree_memory:
+            self._tree_steps.popleft()
+            self._trees.popleft()
         self._fitted = None
 
     def seconds(self, base_tokens: int, nodes: np.ndarray | int) -> np.ndarray | float:
         """Predicted time of a step with `base_tokens` and `nodes` drafted nodes."""
-        return self.fit()[0] * self.curve(base_tokens) + self.node_seconds(base_tokens) * nodes
+        fit = self.fit()
+        share = fit.scale + fit.tree_overhead * (np.asarray(nodes) > 0)
+        return share * self.curve(base_tokens) + self.node_seconds(base_tokens) * nodes
 
     def node_seconds(self, base_tokens: int) -> float:
-        """The price of one drafted node in a step with `base_tokens`."""
-        scale, per_node = self.fit()
-        floor = scale * self.curve.slope(base_tokens)
-        return floor if per_node is None else max(per_node, floor)
+        """The price of one drafted node in a step with `base_tokens` (beyond the tree overhead)."""
+        fit = self.fit()
+        floor = fit.scale * self.curve.slope(base_tokens)
+        return floor if fit.per_node is None else max(fit.per_node, floor)
 
-    def fit(self) -> tuple[float, float | None]:
-        """(scale, seconds per node): (1, None) before `min_samples` steps; per node None before
-        `min_samples` steps with trees, or where the steps had no spread of sizes to fit it from."""
+    def fit(self) -> StepFit:
+        """The fit of the recent steps: the curve as it is before `min_samples` steps; no price
+        per node before `min_samples` steps with trees, or where no two steps differ in nodes."""
         if self._fitted is None:
             self._fitted = self._theil_sen()
         return self._fitted
 
-    def _theil_sen(self) -> tuple[float, float | None]:
+    def _theil_sen(self) -> StepFit:
         if len(self._plain) + len(self._trees) < self.min_samples:
-            return 1.0, None
-        ratio, x, slope = np.asarray([*self._plain, *self._trees]).T
-        i, j = np.triu_indices(len(ratio), 1)
-        spread = np.abs(x[j] - x[i]) > 1e-9
-        if len(self._trees) < self.min_samples or not spread.any():
-            # No spread: the curve's own slope prices the nodes, ratio = scale * (1 + slope * x).
-            return float(np.median(ratio / (1 + slope * x))), None
-        per_node = float(np.median((ratio[j] - ratio[i])[spread] / (x[j] - x[i])[spread]))
-        return float(np.median(ratio - per_node * x)), per_node
+            return StepFit()
+        everything = np.asarray([*self._plain, *self._trees]).T
+        if len(self._trees) >= self.min_samples:
+            trees = np.asarray(self._trees).T
+            if len(self._plain) >= self.min_samples and _spread(trees[1]):
+                return _with_overhead(float(np.median(np.asarray(self._plain)[:, 0])), trees)
+            if _spread(everything[1]):
+                per_node = _median_slope(everything[0], everything[1])
+                return StepFit(float(np.median(everything[0] - per_node * everything[1])), 0.0, per_node)
+        # No spread: the curve's own slope prices the nodes, ratio = scale * (1 + slope * x).
+        ratio, x, slope = everything
+        return StepFit(float(np.median(ratio / (1 + slope * x))))
+
+
+def _with_overhead(scale: float, trees: np.ndarray) -> StepFit:
+    """Tree steps of several sizes: their price per node (floored at the curve's slope) and
+    their intercept, which above the plain steps' scale is the overhead of having trees."""
+    ratio, x, slope = trees
+    per_node = _median_slope(ratio, x)
+    intercept = float(np.median(ratio - np.maximum(per_node, scale * slope) * x))
+    return StepFit(scale, max(0.0, intercept - scale), per_node)
+
+
+def _spread(x: np.ndarray) -> bool:
+    return bool(np.ptp(x) > 1e-9)
+
+
+def _median_slope(y: np.ndarray, x: np.ndarray) -> float:
+    """Theil-Sen: the median slope over the pairs of points that differ in x."""
+    i, j = np.triu_indices(len(x), 1)
+    apart = np.abs(x[j] - x[i]) > 1e-9
+    return float(np.median((y[j] - y[i])[apart] / (x[j] - x[i])[apart]))
 
 
 @dataclass

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from drafters.ngram import NgramDrafter
-from specserve.cost_model import ForwardCost, RecentMedian, StepCost, calibration_sizes
+from specserve.cost_model import ForwardCost, RecentMedian, StepCost, StepFit, calibration_sizes
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence
@@ -140,13 +140,13 @@ def test_one_slow_step_does_not_switch_speculation_off_for_good():
 
 def test_step_cost_fits_scale_and_price_per_node_through_outliers():
     cost = StepCost(FLAT, window=32)
-    assert cost.fit() == (1.0, None)  # nothing measured: the curve as it is
+    assert cost.fit() == StepFit()  # nothing measured: the curve as it is
     plain = FLAT(8)
     for i, nodes in enumerate([0, 3, 6, 9, 12] * 4):
         slow = 5.0 if i in (3, 11) else 1.0  # a noisy neighbour, twice
         cost.add(8, nodes, slow * (0.8 * plain + 0.002 * nodes))
-    scale, per_node = cost.fit()
-    assert scale == pytest.approx(0.8) and per_node == pytest.approx(0.002)
+    fit = cost.fit()
+    assert (fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.8, 0.0, 0.002))
     assert cost.seconds(8, np.array([0, 10])) == pytest.approx([0.8 * plain, 0.8 * plain + 0.02])
 
 
@@ -158,6 +158,48 @@ def test_a_busy_servers_plain_steps_do_not_make_it_forget_what_its_few_trees_cos
     for _ in range(100):
         cost.add(64, 0, FLAT(64))
     assert cost.node_seconds(64) == pytest.approx(0.1 * FLAT(64))
+
+
+def test_trees_found_dear_are_measured_again_after_a_while():
+    """Dear trees are not drafted, so nothing re-measures them: after `tree_memory` steps their
+    samples are forgotten and trees are priced as the plain steps say, until measured anew."""
+    cost = StepCost(FLAT, window=8, tree_memory=50)
+    for _ in range(3):
+        cost.add(64, 0, FLAT(64))
+        cost.add(64, 2, FLAT(64) * 1.2)  # a noisy moment: trees looked dear
+    dear = cost.seconds(64, 2)
+    for _ in range(40):
+        cost.add(64, 0, FLAT(64))
+    assert cost.seconds(64, 2) == pytest.approx(dear)  # still remembered
+    for _ in range(10):
+        cost.add(64, 0, FLAT(64))
+    assert cost.seconds(64, 2) == pytest.approx(FLAT(64) + 2 * FLAT.slope(64))  # forgotten: the curve's price
+
+
+def test_step_cost_tells_what_having_trees_costs_from_what_each_node_costs():
+    cost = StepCost(FLAT)
+    for nodes in (0, 2, 0, 8, 0, 16, 0, 4):
+        cost.add(64, nodes, FLAT(64) * (1.0 + (0.05 if nodes else 0.0)) + 0.001 * nodes)
+    fit = cost.fit()
+    assert (fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((1.0, 0.05, 0.001))
+    assert cost.seconds(64, np.array([0, 1, 10])) == pytest.approx(FLAT(64) * np.array([1.0, 1.05, 1.05])
+                                                                   + [0.0, 0.001, 0.01])
+
+
+def test_a_busy_step_where_one_small_tree_is_dear_still_drafts_many_nodes_that_pay():
+    """64 decodes: any tree costs the step 10%, each node then 0.1% (its rows fill the matmul
+    tiles). One node (0.4 tokens, 0.6% of the step's 64) does not pay for the 10%; dozens at
+    once do, and the policy takes them together."""
+    curve = ForwardCost([1, 64, 128], [0.050, 0.060, 0.064])
+    policy = SpeculationPolicy(adaptive=True, forward_cost=curve)
+    for step in range(300):
+        policy.observe_verify(DRAFTER, int(step % 5 < 2))  # long explored, 0.4 accepted
+    for nodes in (0, 2, 0, 8, 0, 16, 0, 32):
+        policy.observe_step(64, 64, nodes, curve(64) * (1.0 + (0.1 if nodes else 0.0) + 0.001 * nodes))
+    seqs = [decoding(i, accepted=40, steps=60) for i in range(64)]  # alpha = 0.4
+    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) >= 32
+    lone = {seqs[0]: 8}  # one sequence's tree alone cannot pay for the overhead
+    assert sum(policy.budgets(lone, 64, 1024, num_seqs=64).values()) == 0
 
 
 def test_a_node_never_costs_less_than_the_curves_slope():
