@@ -68,8 +68,8 @@ class StepCost:
 
     Scaling the single-chain curve at `base_tokens + nodes` instead cannot tell what a node
     costs in a batch: there, trees get an attention call of their own, their nodes logits and
-    verification, and the rows cross the matmul tiles the decodes filled; a step of 64 decodes
-    with 2 nodes measured ~5% slower, with 9 nodes ~10%. Hence a share per step with trees (so
+    verification, and the rows cross the matmul tiles the decodes filled, so even one small tree
+    slows a step of many decodes by more than its rows. Hence a share per step with trees (so
     that one small tree is known to be dear while many nodes at once may still pay) and a price
     per node. The fits are Theil-Sen's (medians of pairwise slopes and of intercepts): the plain
     steps give the scale, the tree steps of several sizes the price per node and, above the
