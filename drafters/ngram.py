@@ -7,8 +7,8 @@ so a step costs O(new tokens), not O(sequence). The most recent matches come fir
 distinct continuations become a tree (shared prefixes merged).
 
 How good a guess is depends on the match, and that is known before anything is verified:
-on Spec-Bench with SmolLM2, the next token followed a 1-token match 20% of the time and a
-3-token match 77% (97% where the last three matches agreed). So the drafter keeps score of
+on Spec-Bench with SmolLM2, the next token follows a 3-token match several times as often as
+a 1-token match, and more often still where the latest matches agree. So the drafter keeps score of
 its own guesses by kind of match, checking each against the tokens the sequence went on to
 emit, verified or not (a guess costs a dictionary look-up, so it is made every step), and
 tells the speculation policy what the current guess is worth (`acceptance_profile`). A busy
