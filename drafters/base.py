@@ -67,6 +67,12 @@ class Drafter(ABC):
         measured acceptance. Called once a step for every sequence that may speculate."""
         return None
 
+    def acceptance_bound(self) -> float | None:
+        """At most what the first drafted token of any of its proposals is worth now, by its
+        `acceptance_profile` (None: it has no estimate of its own). A busy step where not even
+        that would pay for a node is decided without asking for every sequence's profile."""
+        return None
+
     def step_cost(self, max_nodes: int) -> float:
         """Seconds this drafter expects to spend on a step whose largest tree has `max_nodes`
         drafted nodes (the speculation policy weighs it against the tokens it buys)."""

@@ -72,9 +72,8 @@ class _Scores:
 
     def score(self, guess: _Guess, actual: Sequence[int]) -> bool:
         """Score the guess against `actual`, the tokens since it was made: True once resolved
-        (a token missed, or all came true); else it waits for more."""
-        guess.matched = 0
-        for want, got in zip(guess.tokens, actual, strict=False):
+        (a token missed, or all came true); else it waits for more (and resumes where it stopped)."""
+        for want, got in zip(guess.tokens[guess.matched :], actual[guess.matched :], strict=False):
             if want != got:
                 self._add(guess.kind, guess.matched, missed=True)
                 return True
@@ -90,14 +89,21 @@ class _Scores:
 
     def profile(self, kind: int, depth: int) -> np.ndarray:
         """P(the guess's first k tokens all come true), k = 1..depth (the deepest rate repeats)."""
-        if self._profiles is None:
-            rates = (self.hits + PRIOR_RATE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
-            self._profiles = np.cumprod(rates, axis=1)
-        row = self._profiles[kind]
+        row = self._cumulative()[kind]
         if depth <= GUESS_DEPTH:
             return row[:depth]
         last = row[-1] / row[-2]
         return np.concatenate([row, row[-1] * last ** np.arange(1, depth - GUESS_DEPTH + 1)])
+
+    def best_first(self) -> float:
+        """The first token's rate of the surest kind of match."""
+        return float(self._cumulative()[:, 0].max())
+
+    def _cumulative(self) -> np.ndarray:
+        if self._profiles is None:
+            rates = (self.hits + PRIOR_RATE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+            self._profiles = np.cumprod(rates, axis=1)
+        return self._profiles
 
     def _add(self, kind: int, matched: int, missed: bool) -> None:
         self.hits[kind, :matched] += 1
@@ -124,6 +130,9 @@ class NgramDrafter(Drafter):
         if guess is None:
             return np.zeros(max_depth)
         return self._scores.profile(guess.kind, max_depth)
+
+    def acceptance_bound(self) -> float:
+        return self._scores.best_first()
 
     def release(self, seq_id: int) -> None:
         index = self._indexes.pop(seq_id, None)

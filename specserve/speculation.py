@@ -118,10 +118,16 @@ class SpeculationPolicy:
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
             return budgets
-        gains = self._gains(seqs, [caps[seq] for seq in seqs])
         # The best node is worth less than a node costs, even before drafting: then so is every
-        # prefix of nodes. The common case of a busy server, decided without the rest.
-        if gains[:, 0].max() * self.token_seconds <= step_cost.node_seconds(base_tokens):
+        # prefix of nodes. The common case of a busy server, decided first from what each drafter
+        # says its surest guess is worth (without asking for every sequence's profile), then
+        # from this step's actual guesses.
+        node_seconds = step_cost.node_seconds(base_tokens)
+        bound = _first_gain_bound(seqs)
+        if bound is not None and bound * self.token_seconds <= node_seconds:
+            return budgets
+        gains = self._gains(seqs, [caps[seq] for seq in seqs])
+        if gains[:, 0].max() * self.token_seconds <= node_seconds:
             return budgets
         rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], max_total)
         if not len(rows):
@@ -169,6 +175,13 @@ class SpeculationPolicy:
 
     def _record(self, drafter: Drafter | None) -> _DrafterRecord:
         return self._drafters.setdefault(id(drafter), _DrafterRecord())
+
+
+def _first_gain_bound(seqs: list[Sequence]) -> float | None:
+    """At least P_r(1) for every sequence r, by what the drafters say their surest guesses are
+    worth (None: a drafter goes by measured acceptance, which its sequences' gains then tell)."""
+    bounds = [drafter.acceptance_bound() for drafter in {seq.drafter for seq in seqs}]
+    return None if None in bounds else max(bounds)
 
 
 def _nodes_by_gain(gains: np.ndarray, seq_ids: list[int], max_total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

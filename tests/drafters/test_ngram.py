@@ -100,6 +100,7 @@ def test_guesses_are_scored_against_what_followed_whether_verified_or_not():
     assert confident[0] > 0.9 and confident[3] > 0.5
     assert doubtful[0] < 0.2
     assert all(np.diff(confident) <= 0) and all(np.diff(doubtful) <= 0)  # P(first k all come true)
+    assert drafter.acceptance_bound() == pytest.approx(max(confident[0], doubtful[0]))  # the surest kind's
 
 
 def test_an_unscored_kind_of_match_is_a_coin_flip_and_no_match_is_worth_nothing():

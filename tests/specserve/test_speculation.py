@@ -25,6 +25,9 @@ class MeasuredDrafter(NgramDrafter):
     def acceptance_profile(self, seq_id, token_ids, max_depth):
         return None
 
+    def acceptance_bound(self):
+        return None
+
 
 DRAFTER = MeasuredDrafter()
 
@@ -258,9 +261,14 @@ class KnowingDrafter(MeasuredDrafter):
     def __init__(self, first_token: dict[int, float]):
         super().__init__()
         self.first_token = first_token
+        self.asked = 0
 
     def acceptance_profile(self, seq_id, token_ids, max_depth):
+        self.asked += 1
         return self.first_token[seq_id] * 0.8 ** np.arange(max_depth)
+
+    def acceptance_bound(self):
+        return max(self.first_token.values())
 
 
 def test_a_busy_step_verifies_just_the_guesses_its_drafter_is_confident_of():
@@ -279,3 +287,19 @@ def test_a_busy_step_verifies_just_the_guesses_its_drafter_is_confident_of():
     budgets = policy.budgets(dict.fromkeys(seqs, 8), 64, 1024)
     assert all(budgets[seq] > 0 for seq in seqs if seq.seq_id % 8 == 0)
     assert all(budgets[seq] == 0 for seq in seqs if seq.seq_id % 8)
+
+
+def test_a_busy_step_that_no_guess_could_pay_for_asks_no_sequence_what_its_guess_is_worth():
+    """Where the drafter's surest kind of guess is worth less than a node costs, the policy
+    decides from that bound alone: 64 profile look-ups a step are what a busy server can spare."""
+    cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])  # beyond 64 rows, a node costs ~half a token
+    seqs = [decoding(i) for i in range(64)]
+    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.4))
+    for seq in seqs:
+        seq.drafter = drafter
+    policy = SpeculationPolicy(adaptive=True, forward_cost=cost)
+    assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+    assert drafter.asked == 0
+    drafter.first_token[5] = 0.95  # now one guess may pay: every sequence's is looked at
+    assert policy.budgets(dict.fromkeys(seqs, 8), 64, 1024)[seqs[5]] > 0
+    assert drafter.asked == 64
