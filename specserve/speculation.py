@@ -28,7 +28,8 @@ speculation.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,16 @@ PRIOR_STEPS = 4  # a new sequence's acceptance counts its drafter's as this many
 # new sequence would cost a busy server on every request).
 EXPLORE = 0.3
 MIN_GAIN = 1e-3  # expected tokens below which another node is not worth considering
+# Trees only where the best plan promises at least this much more than plain steps. Below it the
+# promise is within what the step-cost fit cannot tell apart at a busy server (steps of one batch
+# size differ by their prompt chunks far more than by a few nodes), and a busy server's trees
+# mostly promised fractions of a percent and lost more to the deciding and verifying around them.
+MIN_RATE_GAIN = 0.02
+# Looking at every sequence's guess takes a busy server's policy milliseconds (64 n-gram look-ups,
+# about 1% of its step): after a look found no plan worth its trees, the next looks at that batch
+# size are skipped until looking has cost at most this share of the steps' time on average. (A
+# look at one sequence costs a fraction of that share of its step: it is never skipped.)
+DECIDING_SHARE = 0.005
 
 
 @dataclass
@@ -55,11 +66,15 @@ class _DrafterRecord:
 class SpeculationPolicy:
     """Fixed: every speculating sequence gets its cap. Adaptive: the budgets that maximise rate."""
 
-    def __init__(self, adaptive: bool, forward_cost: ForwardCost | None = None):
+    def __init__(self, adaptive: bool, forward_cost: ForwardCost | None = None,
+                 deciding_share: float = DECIDING_SHARE, clock: Callable[[], float] = time.perf_counter):
         self.adaptive = adaptive
         self.forward_cost = forward_cost
+        self.deciding_share = deciding_share
+        self._clock = clock
         self._drafters: dict[int, _DrafterRecord] = {}
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (bit length of the decoding sequences)
+        self._skips: dict[int, int] = {}  # by batch bucket: looks left to skip (see DECIDING_SHARE)
         # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
         # deciding whether another draft forward pays (None when not adaptive).
         self.token_seconds: float | None = None
@@ -126,24 +141,41 @@ class SpeculationPolicy:
         bound = _first_gain_bound(seqs)
         if bound is not None and bound * self.token_seconds <= node_seconds:
             return budgets
-        gains = self._gains(seqs, [caps[seq] for seq in seqs])
-        if gains[:, 0].max() * self.token_seconds <= node_seconds:
+        bucket = num_seqs.bit_length()
+        if self._skips.get(bucket, 0) > 0:
+            self._skips[bucket] -= 1
             return budgets
+        start = self._clock()
+        plan = self._best_plan(seqs, caps, base_tokens, max_total, num_seqs, step_cost, plain_rate)
+        if plan is None:  # looked for nothing: skip the next looks while looking costs too much
+            spent = self._clock() - start
+            self._skips[bucket] = int(spent / (self.deciding_share * step_cost.seconds(base_tokens, 0)))
+            return budgets
+        rows, rate = plan
+        self.token_seconds = 1.0 / rate
+        for row, count in enumerate(np.bincount(rows, minlength=len(seqs))):
+            budgets[seqs[row]] = int(count)
+        return budgets
+
+    def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
+                   num_seqs: int, step_cost: StepCost, plain_rate: float) -> tuple[np.ndarray, float] | None:
+        """The sequence row of every node of the best plan, and its rate (None: plain steps are
+        as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN)."""
+        gains = self._gains(seqs, [caps[seq] for seq in seqs])
+        if gains[:, 0].max() / plain_rate <= step_cost.node_seconds(base_tokens):
+            return None
         rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], max_total)
         if not len(rows):
-            return budgets
+            return None
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
         seconds = step_cost.seconds(base_tokens, np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths)
         rates = tokens / seconds
         best = int(np.argmax(rates))
-        if rates[best] <= plain_rate:
-            return budgets
-        self.token_seconds = 1.0 / float(rates[best])
-        for row, count in enumerate(np.bincount(rows[: best + 1], minlength=len(seqs))):
-            budgets[seqs[row]] = int(count)
-        return budgets
+        if rates[best] <= plain_rate * (1 + MIN_RATE_GAIN):
+            return None
+        return rows[: best + 1], float(rates[best])
 
     def _gains(self, seqs: list[Sequence], caps: list[int]) -> np.ndarray:
         """P_r(k) for every sequence r and k = 1..its cap (0 beyond): the drafter's estimate of

@@ -43,25 +43,31 @@ def decoding(seq_id: int, accepted: int = 0, steps: int = 0) -> Sequence:
     return seq
 
 
+def adaptive_policy(cost: ForwardCost) -> SpeculationPolicy:
+    """The adaptive policy on a clock that stands still: every look is free, so none is skipped
+    (the one test of skipping sets its own clock)."""
+    return SpeculationPolicy(adaptive=True, forward_cost=cost, clock=lambda: 0.0)
+
+
 FLAT = ForwardCost([1, 64, 512], [0.050, 0.060, 0.400])  # rows nearly free up to 64 (a CPU at batch 1)
 STEEP = ForwardCost([1, 512], [0.050, 0.050 * 512])  # every row costs a whole forward
 
 
 def test_cheap_rows_and_good_acceptance_buy_deep_trees():
-    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    policy = adaptive_policy(FLAT)
     seq = decoding(0, accepted=90, steps=10)  # ~0.9 per drafted token
     assert policy.budgets({seq: 8}, base_tokens=1, max_total=100)[seq] == 8
 
 
 def test_poor_acceptance_gets_fewer_nodes_than_good_acceptance():
-    policy = SpeculationPolicy(adaptive=True, forward_cost=ForwardCost([1, 2, 512], [0.05, 0.058, 4.0]))
+    policy = adaptive_policy(ForwardCost([1, 2, 512], [0.05, 0.058, 4.0]))
     good, poor = decoding(0, accepted=90, steps=10), decoding(1, accepted=1, steps=40)
     budgets = policy.budgets({good: 8, poor: 8}, base_tokens=2, max_total=100)
     assert budgets[good] > budgets[poor]
 
 
 def test_when_rows_cost_a_forward_each_nothing_is_speculated():
-    policy = SpeculationPolicy(adaptive=True, forward_cost=STEEP)
+    policy = adaptive_policy(STEEP)
     seqs = [decoding(i, accepted=50, steps=10) for i in range(4)]
     assert set(policy.budgets(dict.fromkeys(seqs, 8), base_tokens=4, max_total=100).values()) == {0}
 
@@ -69,7 +75,7 @@ def test_when_rows_cost_a_forward_each_nothing_is_speculated():
 def test_speculation_shrinks_as_the_batch_grows():
     """Forward time linear beyond 64 rows: a big batch has no spare rows to speculate with."""
     cost = ForwardCost([1, 64, 512], [0.05, 0.06, 0.50])
-    policy = SpeculationPolicy(adaptive=True, forward_cost=cost)
+    policy = adaptive_policy(cost)
     totals = []
     for batch in (1, 8, 256):
         seqs = [decoding(i, accepted=10, steps=10) for i in range(batch)]  # ~0.5 per drafted token
@@ -85,12 +91,12 @@ class CostlyDrafter(MeasuredDrafter):
 def test_the_drafters_cost_is_charged():
     free, costly = decoding(0, accepted=30, steps=10), decoding(1, accepted=30, steps=10)
     costly.drafter = CostlyDrafter()
-    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    policy = adaptive_policy(FLAT)
     assert policy.budgets({costly: 8}, 1, 100)[costly] < policy.budgets({free: 8}, 1, 100)[free]
 
 
 def test_measured_steps_correct_the_curve_and_trees_that_slow_steps_down_stop():
-    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    policy = adaptive_policy(FLAT)
     seqs = [decoding(i, accepted=12, steps=10) for i in range(32)]  # ~0.55 per drafted token
     assert sum(policy.budgets(dict.fromkeys(seqs, 8), 32, 1024).values()) > 0  # trees look nearly free
     for nodes in range(1, 33):
@@ -105,7 +111,7 @@ def test_a_node_is_priced_as_measured_not_as_the_curves_slope():
     """8 decodes, where the single-chain curve says 8 more rows cost 2%: measured, each node
     costs 2% of the step. The 8 sequences' first nodes (worth 0.25 tokens, 3% of the step's
     8) still pay; their second nodes (0.06 tokens, under 1%) do not."""
-    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    policy = adaptive_policy(FLAT)
     for step in range(300):  # the drafter's record: 1 in 4 drafted tokens accepted, long explored
         policy.observe_verify(DRAFTER, int(step % 3 == 0))
     seqs = [decoding(i, accepted=4, steps=12) for i in range(8)]  # alpha = 0.25
@@ -121,7 +127,7 @@ def test_trees_measured_faster_than_the_curve_do_not_make_unmeasured_plain_steps
     """A speculating engine at load seldom runs a plain step, so only its tree steps get measured.
     Came out faster than the calibration (0.7x), they must not make speculation look like it
     saves time on a step (what a plain step at the calibration's 1.0x would suggest)."""
-    policy = SpeculationPolicy(adaptive=True, forward_cost=STEEP)
+    policy = adaptive_policy(STEEP)
     seqs = [decoding(i, accepted=10, steps=10) for i in range(8)]  # ~0.5 per drafted token
     for _ in range(5):
         policy.observe_step(8, 8, 8, seconds=0.7 * STEEP(16))
@@ -132,7 +138,7 @@ def test_trees_measured_faster_than_the_curve_do_not_make_unmeasured_plain_steps
 def test_one_slow_step_does_not_switch_speculation_off_for_good():
     """A warm-up outlier (a new shape's first forward) must not leave trees looking dear: with
     no trees, nothing would measure them again."""
-    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    policy = adaptive_policy(FLAT)
     seq = decoding(0, accepted=30, steps=10)
     policy.observe_step(1, 1, 8, seconds=20 * FLAT(9))
     assert policy.budgets({seq: 8}, 1, 1024)[seq] > 0
@@ -194,7 +200,7 @@ def test_a_busy_step_where_one_small_tree_is_dear_still_drafts_many_nodes_that_p
     tiles). One node (0.4 tokens, 0.6% of the step's 64) does not pay for the 10%; dozens at
     once do, and the policy takes them together."""
     curve = ForwardCost([1, 64, 128], [0.050, 0.060, 0.064])
-    policy = SpeculationPolicy(adaptive=True, forward_cost=curve)
+    policy = adaptive_policy(curve)
     for step in range(300):
         policy.observe_verify(DRAFTER, int(step % 5 < 2))  # long explored, 0.4 accepted
     for nodes in (0, 2, 0, 8, 0, 16, 0, 32):
@@ -225,7 +231,7 @@ def test_recent_median_waits_for_samples_and_ignores_outliers():
 
 
 def test_a_new_sequence_starts_from_its_drafters_acceptance():
-    policy = SpeculationPolicy(adaptive=True, forward_cost=FLAT)
+    policy = adaptive_policy(FLAT)
     fresh = decoding(0)
     before = policy.acceptance(fresh)
     for _ in range(50):
@@ -277,7 +283,7 @@ def test_a_busy_step_verifies_just_the_guesses_its_drafter_is_confident_of():
     verifies those 8 and nothing else."""
     cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])  # beyond 64 rows, a node costs ~half a token
     seqs = [decoding(i, accepted=45, steps=55) for i in range(64)]
-    policy = SpeculationPolicy(adaptive=True, forward_cost=cost)
+    policy = adaptive_policy(cost)
     for step in range(400):  # long explored
         policy.observe_verify(DRAFTER, step % 2)
     assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
@@ -297,9 +303,44 @@ def test_a_busy_step_that_no_guess_could_pay_for_asks_no_sequence_what_its_guess
     drafter = KnowingDrafter(dict.fromkeys(range(64), 0.4))
     for seq in seqs:
         seq.drafter = drafter
-    policy = SpeculationPolicy(adaptive=True, forward_cost=cost)
+    policy = adaptive_policy(cost)
     assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     assert drafter.asked == 0
-    drafter.first_token[5] = 0.95  # now one guess may pay: every sequence's is looked at
-    assert policy.budgets(dict.fromkeys(seqs, 8), 64, 1024)[seqs[5]] > 0
+    for seq_id in range(0, 64, 4):  # now some guesses may pay: every sequence's is looked at
+        drafter.first_token[seq_id] = 0.95
+    assert policy.budgets(dict.fromkeys(seqs, 8), 64, 1024)[seqs[4]] > 0
     assert drafter.asked == 64
+
+
+def test_a_plan_that_promises_next_to_nothing_is_not_worth_its_trees():
+    """One sure guess among 64 decodes buys under 2% more tokens per second even at the curve's
+    price: within what the fit cannot tell, so the step runs plain."""
+    cost = ForwardCost([1, 64, 128], [0.05, 0.06, 0.064])  # nodes nearly free
+    seqs = [decoding(i) for i in range(64)]
+    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.0) | {0: 0.95})
+    for seq in seqs:
+        seq.drafter = drafter
+    policy = adaptive_policy(cost)
+    assert set(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == {0}
+    drafter.first_token |= dict.fromkeys(range(8), 0.95)  # eight of them: 12% more tokens
+    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
+
+
+def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_often():
+    """Looking at 64 guesses took 1% of a step and found nothing that pays: the next two looks
+    are skipped (looking costs 0.5% of the steps on average), then the policy looks again."""
+    cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])
+    now = [0.0]
+
+    def clock() -> float:  # every look takes 1% of a 64-decode step
+        now[0] += 0.01 * cost(64)
+        return now[0]
+
+    policy = SpeculationPolicy(adaptive=True, forward_cost=cost, clock=clock)
+    seqs = [decoding(i) for i in range(64)]
+    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.4) | {0: 0.95})  # one guess may pay, alone not enough
+    for seq in seqs:
+        seq.drafter = drafter
+    for _ in range(5):
+        assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+    assert drafter.asked == 2 * 64  # looked at the first step and the fourth
