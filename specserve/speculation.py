@@ -20,9 +20,9 @@ maximise the step's expected emitted tokens per second:
   (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
 
 Nodes are ordered by marginal gain (P_r(k) for sequence r's k-th node), and the best
-prefix of that order wins, b = 0 included (trees only for a clear gain, MIN_RATE_GAIN): at high load, where every extra row costs real
-time, only the surest guesses are verified, or none, and the engine runs as fast as without
-speculation.
+prefix of that order wins, b = 0 included (trees only for a clear gain, MIN_RATE_GAIN): at
+high load, where every extra row costs real time, only the surest guesses are verified, or
+none, and the engine runs as fast as without speculation.
 """
 
 from __future__ import annotations
