@@ -73,7 +73,7 @@ class SpeculationPolicy:
         self.deciding_share = deciding_share
         self._clock = clock
         self._drafters: dict[int, _DrafterRecord] = {}
-        self._step_costs: dict[int, StepCost] = {}  # by batch bucket (bit length of the decoding sequences)
+        self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
         self._skips: dict[int, int] = {}  # by batch bucket: looks left to skip (see DECIDING_SHARE)
         # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
         # deciding whether another draft forward pays (None when not adaptive).
@@ -97,7 +97,7 @@ class SpeculationPolicy:
         return float(self._step_cost(num_seqs).seconds(base_tokens, nodes))
 
     def _step_cost(self, num_seqs: int) -> StepCost:
-        bucket = num_seqs.bit_length()
+        bucket = _bucket(num_seqs)
         if bucket not in self._step_costs:
             self._step_costs[bucket] = StepCost(self.forward_cost)
         return self._step_costs[bucket]
@@ -141,7 +141,7 @@ class SpeculationPolicy:
         bound = _first_gain_bound(seqs)
         if bound is not None and bound * self.token_seconds <= node_seconds:
             return budgets
-        bucket = num_seqs.bit_length()
+        bucket = _bucket(num_seqs)
         if self._skips.get(bucket, 0) > 0:
             self._skips[bucket] -= 1
             return budgets
@@ -149,7 +149,7 @@ class SpeculationPolicy:
         plan = self._best_plan(seqs, caps, base_tokens, max_total, num_seqs, step_cost, plain_rate)
         if plan is None:  # looked for nothing: skip the next looks while looking costs too much
             spent = self._clock() - start
-            self._skips[bucket] = int(spent / (self.deciding_share * step_cost.seconds(base_tokens, 0)))
+            self._skips[bucket] = int(spent * plain_rate / (self.deciding_share * num_seqs))
             return budgets
         rows, rate = plan
         self.token_seconds = 1.0 / rate
@@ -207,6 +207,11 @@ class SpeculationPolicy:
 
     def _record(self, drafter: Drafter | None) -> _DrafterRecord:
         return self._drafters.setdefault(id(drafter), _DrafterRecord())
+
+
+def _bucket(num_seqs: int) -> int:
+    """Steps are told apart by batch size to within a factor of two (its bit length)."""
+    return num_seqs.bit_length()
 
 
 def _first_gain_bound(seqs: list[Sequence]) -> float | None:
