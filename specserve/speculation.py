@@ -146,7 +146,7 @@ class SpeculationPolicy:
             self._skips[bucket] -= 1
             return budgets
         start = self._clock()
-        plan = self._best_plan(seqs, caps, base_tokens, max_total, num_seqs, step_cost, plain_rate)
+        plan = self._best_plan(seqs, caps, base_tokens, max_total, num_seqs, step_cost, node_seconds, plain_rate)
         if plan is None:  # looked for nothing: skip the next looks while looking costs too much
             spent = self._clock() - start
             self._skips[bucket] = int(spent * plain_rate / (self.deciding_share * num_seqs))
@@ -158,11 +158,12 @@ class SpeculationPolicy:
         return budgets
 
     def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
-                   num_seqs: int, step_cost: StepCost, plain_rate: float) -> tuple[np.ndarray, float] | None:
+                   num_seqs: int, step_cost: StepCost, node_seconds: float,
+                   plain_rate: float) -> tuple[np.ndarray, float] | None:
         """The sequence row of every node of the best plan, and its rate (None: plain steps are
         as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN)."""
         gains = self._gains(seqs, [caps[seq] for seq in seqs])
-        if gains[:, 0].max() / plain_rate <= step_cost.node_seconds(base_tokens):
+        if gains[:, 0].max() / plain_rate <= node_seconds:
             return None
         rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], max_total)
         if not len(rows):
