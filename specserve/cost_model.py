@@ -53,41 +53,50 @@ class RecentMedian:
 
 @dataclass(frozen=True)
 class StepFit:
-    """A batch size's measured step costs, relative to the calibrated curve T (see `StepCost`)."""
+    """A batch size's measured step costs, against the calibrated curve T (see `StepCost`)."""
 
-    scale: float = 1.0  # measured / calibrated, for a step's own tokens
-    tree_overhead: float = 0.0  # what a step pays for having trees at all, as a share of its T
+    fixed: float = 0.0  # seconds every step pays whatever its rows (the batch's attention, its sequences)
+    scale: float = 1.0  # measured / calibrated, for the step's rows
+    tree_overhead: float = 0.0  # seconds a step pays for having trees at all
     per_node: float | None = None  # seconds per drafted node (None: not measured yet)
 
 
 class StepCost:
-    """What a step of one batch size costs, fitted to recent measured steps: the calibrated
-    curve for the step's own tokens, scaled, plus what trees add,
+    """What a step of one batch size costs, fitted to recent measured steps:
 
-        seconds = T(base_tokens) * (scale + tree_overhead * [nodes > 0]) + per_node * nodes.
+        seconds = fixed + scale * T(base_tokens) + tree_overhead * [nodes > 0] + node_price * nodes.
 
-    Scaling the single-chain curve at `base_tokens + nodes` instead cannot tell what a node
-    costs in a batch: there, trees get an attention call of their own, their nodes logits and
-    verification, and the rows cross the matmul tiles the decodes filled, so even one small tree
-    slows a step of many decodes by more than its rows. Hence a share per step with trees (so
-    that one small tree is known to be dear while many nodes at once may still pay) and a price
-    per node. The fits are Theil-Sen's (medians of pairwise slopes and of intercepts): the plain
-    steps give the scale, the tree steps of several sizes the price per node and, above the
-    scale, the overhead; a warm-up outlier or a noisy neighbour's slow step moves none of them.
-    With too few tree sizes to tell overhead from nodes, the nodes carry it all. A node never
-    costs less than the curve's own slope (scaled): a row costs at least what it does in a chain.
+    The calibrated curve T times one sequence's forward by its rows: the matmuls, which every row
+    of a batch pays alike. A batch of many decodes also pays per sequence (each one's attention
+    over its own context, its metadata), which no extra row changes: that is `fixed`. Scaling the
+    curve by measured / calibrated instead would charge a node on top of 64 decodes the
+    whole batch's attention share (there, nearly three times a row's real price), and a node
+    priced too dear is never drafted, so never measured cheaper. The plain steps give `fixed`
+    and `scale`: a Theil-Sen line through (T(base_tokens), seconds) where prompt chunks make
+    the steps' rows differ; where they do not, what the curve does not explain is `fixed` (the
+    curve's rows kept at their calibrated price or below: a row found dearer in a batch is
+    measured by the trees, a row priced dearer than it is never is).
+
+    Trees then add what the plain steps cannot see: an attention call of their own, their
+    nodes' logits and verification. Their samples' residuals over the plain fit give a price per
+    node (Theil-Sen over tree sizes) and, above it, the overhead of having trees at all, so that
+    one small tree is known to be dear while many nodes at once may still pay; with too few tree
+    sizes to tell them apart the nodes carry it all. A warm-up outlier or a noisy neighbour's
+    slow step moves none of the medians. A node never costs less than the curve's slope
+    (scaled): a row costs at least what it does in a chain.
     """
 
     def __init__(self, curve: ForwardCost, window: int = 32, min_samples: int = 3, tree_memory: int = 500):
         self.curve = curve
         self.min_samples = min_samples
-        # Per step: measured / calibrated, nodes / calibrated, the curve's slope there (s/node).
-        # Plain steps and steps with trees are kept apart, `window` of each: a busy server runs
-        # tree steps seldom, and its plain steps must not push out what those measured, or
-        # every few dozen steps the price of trees would fall back to the curve's and another
-        # costly tree step would go to measure it again.
-        self._plain: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._trees: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # Per step: T(base_tokens), nodes, seconds, T(base_tokens + nodes). Plain steps and steps
+        # with trees are kept apart, `window` of each: a busy server runs tree steps seldom, and
+        # its plain steps must not push out what those measured, or every few dozen steps the
+        # price of trees would fall back to the curve's and another costly tree step would go to
+        # measure it again.
+        self._plain: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._trees: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._tree_slopes: deque[float] = deque(maxlen=window)  # the curve's slope at each tree step
         # But not for ever: trees found dear are not drafted, so nothing would re-measure them,
         # and a few slow steps (a noisy neighbour) would switch trees off at this batch size for
         # good. Tree samples older than `tree_memory` steps are forgotten; then the next trees
@@ -98,21 +107,25 @@ class StepCost:
         self._fitted: StepFit | None = None
 
     def add(self, base_tokens: int, nodes: int, seconds: float) -> None:
-        plain = self.curve(base_tokens)
-        (self._trees if nodes else self._plain).append((seconds / plain, nodes / plain, self.curve.slope(base_tokens)))
+        sample = (self.curve(base_tokens), float(nodes), seconds, self.curve(base_tokens + nodes))
         self._steps += 1
         if nodes:
+            self._trees.append(sample)
+            self._tree_slopes.append(self.curve.slope(base_tokens))
             self._tree_steps.append(self._steps)
+        else:
+            self._plain.append(sample)
         while self._tree_steps and self._tree_steps[0] <= self._steps - self.tree_memory:
             self._tree_steps.popleft()
             self._trees.popleft()
+            self._tree_slopes.popleft()
         self._fitted = None
 
     def seconds(self, base_tokens: int, nodes: np.ndarray | int) -> np.ndarray | float:
         """Predicted time of a step with `base_tokens` and `nodes` drafted nodes."""
         fit = self.fit()
-        share = fit.scale + fit.tree_overhead * (np.asarray(nodes) > 0)
-        return share * self.curve(base_tokens) + self.node_seconds(base_tokens) * nodes
+        trees = fit.tree_overhead * (np.asarray(nodes) > 0)
+        return fit.fixed + fit.scale * self.curve(base_tokens) + trees + self.node_seconds(base_tokens) * nodes
 
     def node_seconds(self, base_tokens: int) -> float:
         """The price of one drafted node in a step with `base_tokens` (beyond the tree overhead)."""
@@ -122,45 +135,64 @@ class StepCost:
 
     def fit(self) -> StepFit:
         """The fit of the recent steps: the curve as it is before `min_samples` steps; no price
-        per node before `min_samples` steps with trees, or where no two steps differ in nodes."""
+        per node before `min_samples` plain steps and as many with trees."""
         if self._fitted is None:
-            self._fitted = self._theil_sen()
+            self._fitted = self._fit()
         return self._fitted
 
-    def _theil_sen(self) -> StepFit:
+    def _fit(self) -> StepFit:
         if len(self._plain) + len(self._trees) < self.min_samples:
             return StepFit()
-        everything = np.asarray([*self._plain, *self._trees]).T
-        if len(self._trees) >= self.min_samples:
-            trees = np.asarray(self._trees).T
-            if len(self._plain) >= self.min_samples and _spread(trees[1]):
-                return _with_overhead(float(np.median(np.asarray(self._plain)[:, 0])), trees)
-            if _spread(everything[1]):
-                per_node = _median_slope(everything[0], everything[1])
-                return StepFit(float(np.median(everything[0] - per_node * everything[1])), 0.0, per_node)
-        # No spread: the curve's own slope prices the nodes, ratio = scale * (1 + slope * x).
-        ratio, x, slope = everything
-        return StepFit(float(np.median(ratio / (1 + slope * x))))
+        if len(self._plain) < self.min_samples:
+            return self._fit_mostly_trees()
+        rows, _, seconds, _ = np.asarray(self._plain).T
+        fixed, scale = _affine(rows, seconds)
+        if len(self._trees) < self.min_samples:
+            return StepFit(fixed, scale)
+        rows, nodes, seconds, _ = np.asarray(self._trees).T
+        residual = seconds - fixed - scale * rows
+        floors = scale * np.asarray(self._tree_slopes)
+        if not _spread(nodes):
+            return StepFit(fixed, scale, 0.0, float(np.median(residual / nodes)))
+        per_node = _median_slope(residual, nodes)
+        overhead = float(np.median(residual - np.maximum(per_node, floors) * nodes))
+        return StepFit(fixed, scale, max(0.0, overhead), per_node)
 
 
-def _with_overhead(scale: float, trees: np.ndarray) -> StepFit:
-    """Tree steps of several sizes: their price per node (floored at the curve's slope) and
-    their intercept, which above the plain steps' scale is the overhead of having trees."""
-    ratio, x, slope = trees
-    per_node = _median_slope(ratio, x)
-    intercept = float(np.median(ratio - np.maximum(per_node, scale * slope) * x))
-    return StepFit(scale, max(0.0, intercept - scale), per_node)
+    def _fit_mostly_trees(self) -> StepFit:
+        """A speculating engine may run few plain steps (at batch 1, nearly every step has a
+        tree): then every step is measured against the curve, seconds / T(base_tokens) =
+        scale + per_node * nodes / T(base_tokens), and where no two differ in nodes the curve
+        prices them (the scale from seconds / T(base_tokens + nodes))."""
+        rows, nodes, seconds, with_nodes = np.asarray([*self._plain, *self._trees]).T
+        if not _spread(nodes / rows):
+            return StepFit(scale=float(np.median(seconds / with_nodes)))
+        per_node = _median_slope(seconds / rows, nodes / rows)
+        return StepFit(scale=float(np.median((seconds - per_node * nodes) / rows)), per_node=per_node)
+
+def _affine(rows: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """(fixed, scale) of seconds = fixed + scale * rows: Theil-Sen where the steps' rows differ
+    (by prompt chunks; at least by a tenth), else (or where that line makes no sense) the rows at
+    the measured ratio, capped at 1, and the rest fixed."""
+    apart = 0.1 * float(np.median(rows))
+    if np.ptp(rows) > apart:
+        scale = _median_slope(seconds, rows, apart)
+        fixed = float(np.median(seconds - scale * rows))
+        if scale > 0 and fixed >= 0:
+            return fixed, scale
+    scale = min(1.0, float(np.median(seconds / rows)))
+    return max(0.0, float(np.median(seconds - scale * rows))), scale
 
 
 def _spread(x: np.ndarray) -> bool:
     return bool(np.ptp(x) > 1e-9)
 
 
-def _median_slope(y: np.ndarray, x: np.ndarray) -> float:
-    """Theil-Sen: the median slope over the pairs of points that differ in x."""
+def _median_slope(y: np.ndarray, x: np.ndarray, apart: float = 1e-9) -> float:
+    """Theil-Sen: the median slope over the pairs of points more than `apart` apart in x."""
     i, j = np.triu_indices(len(x), 1)
-    apart = np.abs(x[j] - x[i]) > 1e-9
-    return float(np.median((y[j] - y[i])[apart] / (x[j] - x[i])[apart]))
+    far = np.abs(x[j] - x[i]) > apart
+    return float(np.median((y[j] - y[i])[far] / (x[j] - x[i])[far]))
 
 
 @dataclass

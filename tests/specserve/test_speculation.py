@@ -155,7 +155,7 @@ def test_step_cost_fits_scale_and_price_per_node_through_outliers():
         slow = 5.0 if i in (3, 11) else 1.0  # a noisy neighbour, twice
         cost.add(8, nodes, slow * (0.8 * plain + 0.002 * nodes))
     fit = cost.fit()
-    assert (fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.8, 0.0, 0.002))
+    assert (fit.fixed, fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.0, 0.8, 0.0, 0.002))
     assert cost.seconds(8, np.array([0, 10])) == pytest.approx([0.8 * plain, 0.8 * plain + 0.02])
 
 
@@ -190,7 +190,7 @@ def test_step_cost_tells_what_having_trees_costs_from_what_each_node_costs():
     for nodes in (0, 2, 0, 8, 0, 16, 0, 4):
         cost.add(64, nodes, FLAT(64) * (1.0 + (0.05 if nodes else 0.0)) + 0.001 * nodes)
     fit = cost.fit()
-    assert (fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((1.0, 0.05, 0.001))
+    assert (fit.fixed, fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.0, 1.0, 0.05 * FLAT(64), 0.001))
     assert cost.seconds(64, np.array([0, 1, 10])) == pytest.approx(FLAT(64) * np.array([1.0, 1.05, 1.05])
                                                                    + [0.0, 0.001, 0.01])
 
@@ -209,6 +209,41 @@ def test_a_busy_step_where_one_small_tree_is_dear_still_drafts_many_nodes_that_p
     assert sum(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) >= 32
     lone = {seqs[0]: 8}  # one sequence's tree alone cannot pay for the overhead
     assert sum(policy.budgets(lone, 64, 1024, num_seqs=64).values()) == 0
+
+
+BATCH = ForwardCost([1, 32, 64, 128, 512], [0.015, 0.028, 0.042, 0.077, 0.338])  # SmolLM2, bf16, 2 cores
+
+
+def test_a_busy_batchs_own_attention_is_not_charged_to_each_drafted_node():
+    """64 decodes over long contexts take 2.7x the one-sequence curve's 64 rows: the rest is the
+    batch's attention, which an extra row does not repeat. A node costs a row, not 2.7 rows."""
+    cost = StepCost(BATCH)
+    for _ in range(5):
+        cost.add(64, 0, 2.7 * BATCH(64))
+    fit = cost.fit()
+    assert (fit.fixed, fit.scale) == pytest.approx((1.7 * BATCH(64), 1.0))
+    assert cost.node_seconds(64) == pytest.approx(BATCH.slope(64))
+
+
+def test_prompt_chunks_tell_a_rows_price_from_the_batchs_fixed_cost():
+    cost = StepCost(BATCH)
+    for chunk in (0, 0, 100, 0, 300, 50, 0, 448):
+        cost.add(64 + chunk, 0, 0.070 + 0.8 * BATCH(64 + chunk))
+    fit = cost.fit()
+    assert (fit.fixed, fit.scale) == pytest.approx((0.070, 0.8))
+    assert cost.node_seconds(64) == pytest.approx(0.8 * BATCH.slope(64))
+
+
+def test_a_busy_batch_drafts_the_guesses_worth_more_than_a_row():
+    """64 decodes, each of their tokens worth 2.7 * T(64) / 64 = 1.8 ms of the step, a row 0.55 ms:
+    sure guesses (0.7) pay, even if the step's measured / calibrated ratio says 2.7."""
+    policy = adaptive_policy(BATCH)
+    for step in range(300):
+        policy.observe_verify(DRAFTER, int(step % 10 < 7))  # long explored, 0.7 accepted
+    for _ in range(5):
+        policy.observe_step(64, 64, 0, 2.7 * BATCH(64))
+    seqs = [decoding(i, accepted=70, steps=30) for i in range(64)]  # alpha = 0.7
+    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) >= 64
 
 
 def test_a_node_never_costs_less_than_the_curves_slope():
