@@ -11,6 +11,7 @@ at start-up, caches the table under the user cache dir, and interpolates between
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from specserve.tree import TokenTree
 CALIBRATION_CONTEXT = 128
 REPEATS = 3
 SLOPE_SPAN = 16  # tokens over which a curve's local slope is taken
+REFIT_EVERY = 8  # steps after which full windows are fitted again (see `StepCost.add`)
 
 
 class RecentMedian:
@@ -105,6 +107,7 @@ class StepCost:
         self._tree_steps: deque[int] = deque(maxlen=window)  # when each tree sample was taken
         self._steps = 0
         self._fitted: StepFit | None = None
+        self._since_fit = 0
 
     def add(self, base_tokens: int, nodes: int, seconds: float) -> None:
         sample = (self.curve(base_tokens), float(nodes), seconds, self.curve(base_tokens + nodes))
@@ -119,12 +122,19 @@ class StepCost:
             self._tree_steps.popleft()
             self._trees.popleft()
             self._tree_slopes.popleft()
-        self._fitted = None
+        # Refit at once while the sample's window is still filling (the first steps of a batch
+        # size change the fit most); a full window's next samples move its medians little, and
+        # refitting every step would cost a small batch's step a measurable share: every
+        # REFIT_EVERY of them.
+        self._since_fit += 1
+        window = self._trees if nodes else self._plain
+        if len(window) < window.maxlen or self._since_fit >= REFIT_EVERY:
+            self._fitted = None
 
     def seconds(self, base_tokens: int, nodes: np.ndarray | int) -> np.ndarray | float:
         """Predicted time of a step with `base_tokens` and `nodes` drafted nodes."""
         fit = self.fit()
-        trees = fit.tree_overhead * (np.asarray(nodes) > 0)
+        trees = fit.tree_overhead * (nodes > 0)
         return fit.fixed + fit.scale * self.curve(base_tokens) + trees + self.node_seconds(base_tokens) * nodes
 
     def node_seconds(self, base_tokens: int) -> float:
@@ -138,6 +148,7 @@ class StepCost:
         per node before `min_samples` plain steps and as many with trees."""
         if self._fitted is None:
             self._fitted = self._fit()
+            self._since_fit = 0
         return self._fitted
 
     def _fit(self) -> StepFit:
@@ -208,9 +219,17 @@ class ForwardCost:
         # sizes (where rows are nearly free) can say otherwise, and a curve with T(2) < T(1)
         # would have the policy draft a node to save time.
         self._seconds = np.maximum.accumulate(np.asarray(self.seconds, np.float64))
+        self._size_list, self._second_list = self._sizes.tolist(), self._seconds.tolist()
 
     def __call__(self, num_tokens: int) -> float:
-        return float(self.many(np.array([num_tokens]))[0])
+        """`many` for one size, in plain Python: the policy asks several times a step, and numpy's
+        per-call overhead would cost a small batch's step a measurable share."""
+        n, sizes, seconds = max(num_tokens, 1), self._size_list, self._second_list
+        if len(sizes) == 1:
+            return seconds[0] * n / sizes[0]
+        i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)
+        n0, n1, t0, t1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
+        return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)
 
     def many(self, num_tokens: np.ndarray) -> np.ndarray:
         """Seconds for each forward size in `num_tokens` (beyond the ends: the end segments extended)."""

@@ -10,12 +10,13 @@ maximise the step's expected emitted tokens per second:
   one (`Drafter.acceptance_profile`: n-gram lookup knows a 3-token match from a 1-token one),
   else alpha_r^k, alpha_r the sequence's measured acceptance (shrunk toward its drafter's
   while the sequence has few steps of its own);
-* T: the step's forward, `specserve.cost_model.StepCost` of its batch size: the calibrated
-  cost of a forward of the step's own tokens (decodes and prompt chunks), scaled, plus a share
-  of it for having trees at all, plus a price per drafted node, all fitted to the steps
-  measured at that batch size: a batch with trees loses the decode-only fast paths and pays for
-  verification, which the single-chain calibration cannot see, so at high load one lone
-  guess does not pay for the attention call its tree brings;
+* T: the step's forward, `specserve.cost_model.StepCost` of its batch size, fitted to the steps
+  measured at that batch size: a fixed part (the batch's attention over its sequences' contexts,
+  which an extra row does not repeat), the calibrated cost of the step's own rows (decodes and
+  prompt chunks), scaled, a price for having trees at all, and a price per drafted node: a
+  batch with trees loses the decode-only fast paths and pays for verification, which the
+  single-chain calibration cannot see, so at high load one lone guess does not pay for the
+  attention call its tree brings, while the sure guesses of many sequences may;
 * D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
   (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
 

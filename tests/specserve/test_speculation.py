@@ -246,6 +246,18 @@ def test_a_busy_batch_drafts_the_guesses_worth_more_than_a_row():
     assert sum(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) >= 64
 
 
+def test_a_machine_that_slows_down_is_noticed_within_a_few_steps():
+    """A full window is refitted only every few plain steps (every step would cost a small
+    batch's step a measurable share), but a slower machine still shows within them."""
+    cost = StepCost(FLAT, window=8)
+    for _ in range(8):
+        cost.add(8, 0, FLAT(8))
+    assert cost.seconds(8, 0) == pytest.approx(FLAT(8))
+    for _ in range(8):
+        cost.add(8, 0, 2 * FLAT(8))
+    assert cost.seconds(8, 0) == pytest.approx(2 * FLAT(8))
+
+
 def test_a_node_never_costs_less_than_the_curves_slope():
     cost = StepCost(STEEP)
     for nodes in (0, 4, 8, 16):
