@@ -169,7 +169,6 @@ class StepCost:
         overhead = float(np.median(residual - np.maximum(per_node, floors) * nodes))
         return StepFit(fixed, scale, max(0.0, overhead), per_node)
 
-
     def _fit_mostly_trees(self) -> StepFit:
         """A speculating engine may run few plain steps (at batch 1, nearly every step has a
         tree): then every step is measured against the curve, seconds / T(base_tokens) =
@@ -180,6 +179,7 @@ class StepCost:
             return StepFit(scale=float(np.median(seconds / with_nodes)))
         per_node = _median_slope(seconds / rows, nodes / rows)
         return StepFit(scale=float(np.median((seconds - per_node * nodes) / rows)), per_node=per_node)
+
 
 def _affine(rows: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
     """(fixed, scale) of seconds = fixed + scale * rows: Theil-Sen where the steps' rows differ
