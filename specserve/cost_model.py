@@ -214,32 +214,22 @@ class ForwardCost:
     seconds: list[float]
 
     def __post_init__(self) -> None:
-        self._sizes = np.asarray(self.sizes, np.float64)
+        self._sizes = [float(n) for n in self.sizes]
         # Non-decreasing: a forward of more tokens never costs less. Timing noise at the small
         # sizes (where rows are nearly free) can say otherwise, and a curve with T(2) < T(1)
         # would have the policy draft a node to save time.
-        self._seconds = np.maximum.accumulate(np.asarray(self.seconds, np.float64))
-        self._size_list, self._second_list = self._sizes.tolist(), self._seconds.tolist()
+        self._seconds = np.maximum.accumulate(np.asarray(self.seconds, np.float64)).tolist()
 
     def __call__(self, num_tokens: int) -> float:
-        """`many` for one size, in plain Python: the policy asks several times a step, and numpy's
-        per-call overhead would cost a small batch's step a measurable share."""
-        n, sizes, seconds = max(num_tokens, 1), self._size_list, self._second_list
+        """Seconds for a forward of `num_tokens` (beyond the ends: the end segments extended). In
+        plain Python: the policy asks several times a step, and numpy's per-call overhead would
+        cost a small batch's step a measurable share."""
+        n, sizes, seconds = max(num_tokens, 1), self._sizes, self._seconds
         if len(sizes) == 1:
             return seconds[0] * n / sizes[0]
         i = min(max(bisect.bisect_left(sizes, n), 1), len(sizes) - 1)
         n0, n1, t0, t1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
         return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)
-
-    def many(self, num_tokens: np.ndarray) -> np.ndarray:
-        """Seconds for each forward size in `num_tokens` (beyond the ends: the end segments extended)."""
-        n = np.maximum(num_tokens, 1).astype(np.float64)
-        sizes, seconds = self._sizes, self._seconds
-        if len(sizes) == 1:
-            return seconds[0] * n / sizes[0]
-        i = np.minimum(np.maximum(np.searchsorted(sizes, n), 1), len(sizes) - 1)
-        n0, n1, t0, t1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
-        return np.maximum(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)
 
     def slope(self, num_tokens: int) -> float:
         """Seconds per extra token of a forward of `num_tokens` (over the next `SLOPE_SPAN`)."""
