@@ -91,14 +91,13 @@ class StepCost:
     def __init__(self, curve: ForwardCost, window: int = 32, min_samples: int = 3, tree_memory: int = 500):
         self.curve = curve
         self.min_samples = min_samples
-        # Per step: T(base_tokens), nodes, seconds, T(base_tokens + nodes). Plain steps and steps
-        # with trees are kept apart, `window` of each: a busy server runs tree steps seldom, and
-        # its plain steps must not push out what those measured, or every few dozen steps the
-        # price of trees would fall back to the curve's and another costly tree step would go to
-        # measure it again.
-        self._plain: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self._trees: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self._tree_slopes: deque[float] = deque(maxlen=window)  # the curve's slope at each tree step
+        # Per step: base_tokens, T(base_tokens), nodes, seconds, T(base_tokens + nodes). Plain
+        # steps and steps with trees are kept apart, `window` of each: a busy server runs tree
+        # steps seldom, and its plain steps must not push out what those measured, or every few
+        # dozen steps the price of trees would fall back to the curve's and another costly tree
+        # step would go to measure it again.
+        self._plain: deque[tuple[int, float, float, float, float]] = deque(maxlen=window)
+        self._trees: deque[tuple[int, float, float, float, float]] = deque(maxlen=window)
         # But not for ever: trees found dear are not drafted, so nothing would re-measure them,
         # and a few slow steps (a noisy neighbour) would switch trees off at this batch size for
         # good. Tree samples older than `tree_memory` steps are forgotten; then the next trees
@@ -110,18 +109,16 @@ class StepCost:
         self._since_fit = 0
 
     def add(self, base_tokens: int, nodes: int, seconds: float) -> None:
-        sample = (self.curve(base_tokens), float(nodes), seconds, self.curve(base_tokens + nodes))
+        sample = (base_tokens, self.curve(base_tokens), float(nodes), seconds, self.curve(base_tokens + nodes))
         self._steps += 1
         if nodes:
             self._trees.append(sample)
-            self._tree_slopes.append(self.curve.slope(base_tokens))
             self._tree_steps.append(self._steps)
         else:
             self._plain.append(sample)
         while self._tree_steps and self._tree_steps[0] <= self._steps - self.tree_memory:
             self._tree_steps.popleft()
             self._trees.popleft()
-            self._tree_slopes.popleft()
         # Refit at once while the sample's window is still filling (the first steps of a batch
         # size change the fit most); a full window's next samples move its medians little, and
         # refitting every step would cost a small batch's step a measurable share: every
@@ -156,13 +153,13 @@ class StepCost:
             return StepFit()
         if len(self._plain) < self.min_samples:
             return self._fit_mostly_trees()
-        rows, _, seconds, _ = np.asarray(self._plain).T
+        _, rows, _, seconds, _ = np.asarray(self._plain).T
         fixed, scale = _affine(rows, seconds)
         if len(self._trees) < self.min_samples:
             return StepFit(fixed, scale)
-        rows, nodes, seconds, _ = np.asarray(self._trees).T
+        bases, rows, nodes, seconds, _ = np.asarray(self._trees).T
         residual = seconds - fixed - scale * rows
-        floors = scale * np.asarray(self._tree_slopes)
+        floors = scale * np.array([self.curve.slope(int(base)) for base in bases])
         if not _spread(nodes):
             return StepFit(fixed, scale, 0.0, float(np.median(residual / nodes)))
         per_node = _median_slope(residual, nodes)
@@ -174,7 +171,7 @@ class StepCost:
         tree): then every step is measured against the curve, seconds / T(base_tokens) =
         scale + per_node * nodes / T(base_tokens), and where no two differ in nodes the curve
         prices them (the scale from seconds / T(base_tokens + nodes))."""
-        rows, nodes, seconds, with_nodes = np.asarray([*self._plain, *self._trees]).T
+        _, rows, nodes, seconds, with_nodes = np.asarray([*self._plain, *self._trees]).T
         if not _spread(nodes / rows):
             return StepFit(scale=float(np.median(seconds / with_nodes)))
         per_node = _median_slope(seconds / rows, nodes / rows)
