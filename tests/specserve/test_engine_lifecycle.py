@@ -3,6 +3,7 @@ preemptions, completions) and no KV block is ever lost; bad requests are refused
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -143,3 +144,10 @@ def test_the_engine_gives_the_same_tokens_on_the_triton_kernel(tiny_chat_model, 
         return [list(done[str(i)]) for i in range(len(prompts))]
 
     assert generate("triton") == generate("reference")
+
+
+def test_what_the_engine_loaded_is_kept_out_of_the_garbage_collectors_walks(tiny_chat_model):
+    """A full collection would walk the model's and tokenizer's objects in the middle of a step."""
+    gc.unfreeze()
+    engine = make_engine(tiny_chat_model)
+    assert not any(o is engine.model for o in gc.get_objects())  # frozen: no generation holds it
