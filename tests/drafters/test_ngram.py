@@ -45,10 +45,13 @@ def test_budget_and_depth_are_respected(max_nodes, max_depth):
 
 
 def test_incremental_index_equals_a_fresh_one():
+    """A step's few tokens and a whole prompt are indexed differently (see `_Index.extend`)."""
     rng = random.Random(0)
-    tokens = [rng.randrange(6) for _ in range(30)]
+    tokens = [rng.randrange(6) for _ in range(80)]
     incremental = NgramDrafter()
-    for length in range(2, len(tokens)):
+    length = 2
+    while length < len(tokens):
+        length += rng.choice([1, 2, 3, 9, 13])  # a step's tokens, or a prompt's
         grown = propose(incremental, tokens[:length], seq_id=1)
         fresh = propose(NgramDrafter(), tokens[:length], seq_id=1)
         assert (grown.tokens, grown.parents) == (fresh.tokens, fresh.parents)
