@@ -91,11 +91,11 @@ class SpeculationPolicy:
         """A step's measured time from its forward to its last emitted token (drafting excluded):
         `base_tokens` of decodes and prompt chunks, `nodes` drafted nodes."""
         if self.forward_cost is not None:
-            self._step_cost(num_seqs).add(base_tokens, nodes, seconds)
+            self._step_cost(num_seqs).add(base_tokens, nodes, seconds, chunked=base_tokens > num_seqs)
 
     def step_seconds(self, num_seqs: int, base_tokens: int, nodes: int = 0) -> float:
         """Predicted time of a step (without drafting)."""
-        return float(self._step_cost(num_seqs).seconds(base_tokens, nodes))
+        return float(self._step_cost(num_seqs).seconds(base_tokens, nodes, chunked=base_tokens > num_seqs))
 
     def _step_cost(self, num_seqs: int) -> StepCost:
         bucket = _bucket(num_seqs)
@@ -129,7 +129,7 @@ class SpeculationPolicy:
                       num_seqs: int) -> dict[Sequence, int]:
         budgets = dict.fromkeys(caps, 0)
         step_cost = self._step_cost(num_seqs)
-        plain_rate = num_seqs / step_cost.seconds(base_tokens, 0)  # each emits >= 1 token
+        plain_rate = num_seqs / step_cost.seconds(base_tokens, 0, chunked=base_tokens > num_seqs)  # each emits >= 1
         self.token_seconds = 1.0 / plain_rate
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
@@ -172,7 +172,8 @@ class SpeculationPolicy:
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
-        seconds = step_cost.seconds(base_tokens, np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths)
+        seconds = (step_cost.seconds(base_tokens, np.arange(1, len(rows) + 1), chunked=base_tokens > num_seqs)
+                   + self._draft_seconds(seqs, rows, depths))
         rates = tokens / seconds
         best = int(np.argmax(rates))
         if rates[best] <= plain_rate * (1 + MIN_RATE_GAIN):

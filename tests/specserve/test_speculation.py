@@ -234,6 +234,20 @@ def test_prompt_chunks_tell_a_rows_price_from_the_batchs_fixed_cost():
     assert cost.node_seconds(64) == pytest.approx(0.8 * BATCH.slope(64))
 
 
+def test_steps_that_prefilled_do_not_make_decode_steps_look_dear():
+    """A prompt chunk's attention is a call of its own: a step with one pays 10 ms beyond its
+    rows. Decode steps, most of a busy server's, are priced as measured, not as the average of
+    both kinds; else every tree measured against them would look cheaper than it is."""
+    cost = StepCost(BATCH)
+    for chunk in (0, 40, 0, 100, 0, 20, 0, 60, 0, 80):
+        cost.add(64 + chunk, 0, 0.018 + BATCH(64 + chunk) + (0.010 if chunk else 0.0), chunked=chunk > 0)
+    assert cost.seconds(64, 0) == pytest.approx(0.018 + BATCH(64))
+    assert cost.seconds(114, 0, chunked=True) == pytest.approx(0.028 + BATCH(114))
+    for nodes in (8, 16, 32):
+        cost.add(64, nodes, 0.018 + BATCH(64) + 0.003 + 0.0006 * nodes)
+    assert cost.seconds(64, 10) == pytest.approx(0.018 + BATCH(64) + 0.003 + 0.006)
+
+
 def test_a_busy_batch_drafts_the_guesses_worth_more_than_a_row():
     """64 decodes, each of their tokens worth 2.7 * T(64) / 64 = 1.8 ms of the step, a row 0.55 ms:
     sure guesses (0.7) pay, even if the step's measured / calibrated ratio says 2.7."""
