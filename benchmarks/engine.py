@@ -18,6 +18,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,9 +84,13 @@ class ClosedLoop:
     done once the engine generated that many tokens; the requests still running are then
     aborted. That measures the steady state at `concurrency` requests in flight: a fixed list
     run to completion ends in a drain, where the clients with the slowest requests are the only
-    ones left, and that drain sets the time of the whole run."""
+    ones left, and that drain sets the time of the whole run.
 
-    def __init__(self, engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+    `params` may be a function of the request's number (0, 1, ...: e.g. lengths that vary by
+    request, the same for every engine given the same function)."""
+
+    def __init__(self, engine: LLMEngine, prompts: list[list[int]],
+                 params: SamplingParams | Callable[[int], SamplingParams] | None,
                  concurrency: int | None = None, tokens: int | None = None):
         start = time.perf_counter()
         self.engine, self.params, self.prompts, self.target = engine, params, prompts, tokens
@@ -117,7 +122,8 @@ class ClosedLoop:
 
     def _submit(self) -> None:
         request_id = f"b{self.sent}"
-        self.engine.add_request(request_id, self.prompts[self.sent % len(self.prompts)], self.params)
+        params = self.params(self.sent) if callable(self.params) else self.params
+        self.engine.add_request(request_id, self.prompts[self.sent % len(self.prompts)], params)
         self._running.add(request_id)
         self.sent += 1
 

@@ -12,7 +12,11 @@
     its own steps; the median of the repeats' ratios. c closed-loop clients send Spec-Bench
     questions (round-robin over the categories) one after another, so c are always in flight,
     until each engine generated the tokens of 3 requests per client (at least 13 requests);
-    `--drain` runs exactly those requests to completion instead.
+    `--drain` runs exactly those requests to completion instead. Request lengths vary (64
+    +- 50%, the same per request number for both engines): with all equal, the clients finish
+    in lockstep, and the plain engine prefills their next prompts together in a few steps,
+    which no real traffic does and speculation (accepting different runs per request) breaks
+    (two plain engines side by side: +- 25% lengths ran 1.2-1.6% slower than equal ones).
 
 EOS is ignored everywhere so that every run generates the same number of tokens.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -59,17 +64,27 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculatio
 
 
 def side_by_side(engines: dict[str, LLMEngine], configs: dict[str, dict | None], prompts: list[list[int]],
-                 max_tokens: int, concurrency: int, tokens: int | None = None) -> dict[str, dict]:
+                 max_tokens: int, concurrency: int, tokens: int | None = None,
+                 spread: float = 0.0) -> dict[str, dict]:
     """Each configuration on its own engine over the same prompts from `concurrency` closed-loop
     clients, all at once, one engine step of each in turn; each timed by its own steps. With
-    `tokens`: each until it generated that many, the clients never running out (`ClosedLoop`)."""
-    loops = {name: ClosedLoop(engines[name], prompts, _params(max_tokens, spec), concurrency, tokens)
+    `tokens`: each until it generated that many, the clients never running out (`ClosedLoop`).
+    With `spread`: request lengths vary by that share of `max_tokens` (`request_length`)."""
+    loops = {name: ClosedLoop(engines[name], prompts,
+                              lambda k, spec=spec: _params(request_length(k, max_tokens, spread), spec),
+                              concurrency, tokens)
              for name, spec in configs.items()}
     first, ticks = {name: engine.metrics.steps for name, engine in engines.items()}, cpu_ticks()
     run_interleaved(list(loops.values()))
     steal = steal_share(ticks, cpu_ticks())
     return {name: _measured(loop.finished + loop.aborted, loop.busy_s, engines[name].metrics.steps - first[name],
                             steal, loop.generated) for name, loop in loops.items()}
+
+
+def request_length(k: int, max_tokens: int, spread: float) -> int:
+    """Request k's max_tokens: `max_tokens` give or take `spread` of it, uniformly, by a draw
+    fixed per k (every engine gets the same lengths, so the same work)."""
+    return max(1, round(max_tokens * (1 + spread * random.Random(k).uniform(-1.0, 1.0))))
 
 
 def _params(max_tokens: int, speculation: dict | None) -> SamplingParams:
@@ -250,7 +265,7 @@ def part_c(args) -> None:
             order = dict(list(configs.items())[:: 1 if repeat % 2 == 0 else -1])  # who steps first alternates
             tokens = None if args.drain else workload[c] * args.max_tokens_b
             for name, result in side_by_side(engines, order, pool[: workload[c]], args.max_tokens_b, c,
-                                             tokens).items():
+                                             tokens, args.length_spread).items():
                 runs[c][name].append(result)
     summary, rows = {}, []
     for c, by_config in runs.items():
@@ -267,11 +282,15 @@ def part_c(args) -> None:
         rows.append([str(c), f"{plain:.1f}", f"{spec:.1f}", f"{median(ratios):.2f}x",
                      f"{min(ratios):.2f}-{max(ratios):.2f}", str(drafted), "-" if not mats else f"{median(mats):.2f}"])
     result = {"machine": _machine(), "model": args.model, "draft": args.draft_c, "max_tokens": args.max_tokens_b,
+              "length_spread": args.length_spread,
               "requests": workload, "drain": args.drain, "repeats": args.repeats, "speculation": args.speculation,
               "summary": summary}
     load = ("send exactly these, run to completion (drain included)" if args.drain else
             "send request after request (steady state, c in flight) until each engine generated their tokens")
-    caption = (f"(c) {args.model}, bfloat16, {args.max_tokens_b} new tokens per request; c clients in a closed loop "
+    lengths = (f"{args.max_tokens_b} new tokens per request" if not args.length_spread else
+               f"{args.max_tokens_b} +- {args.length_spread:.0%} new tokens per request (uniform, the same per "
+               f"request number for both engines)")
+    caption = (f"(c) {args.model}, bfloat16, {lengths}; c clients in a closed loop "
                f"and max({args.requests_per_client}c, {args.requests_c}) Spec-Bench questions (round-robin over "
                f"categories): {load}; `{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) "
                f"vs no speculation on two identical engines stepped in turn, each timed by its own steps; "
@@ -306,6 +325,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-tokens-b", type=int, default=64)
     parser.add_argument("--draft-c", default="ngram")
+    parser.add_argument("--length-spread", type=float, default=0.5,
+                        help="(c) request lengths vary uniformly by this share of --max-tokens-b (0: all equal)")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--requests-c", type=int, default=13, help="(c) requests per level at least (one per category)")
     parser.add_argument("--requests-per-client", type=int, default=3,
