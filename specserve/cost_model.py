@@ -19,7 +19,7 @@ import platform
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -57,9 +57,10 @@ class RecentMedian:
 class StepFit:
     """A batch size's measured step costs, against the calibrated curve T (see `StepCost`)."""
 
-    fixed: float = 0.0  # seconds every step pays whatever its rows (the batch's attention, its sequences)
+    fixed: float = 0.0  # seconds every step pays whatever its rows and keys (its sequences' bookkeeping)
     scale: float = 1.0  # measured / calibrated, for the step's rows
     chunk_overhead: float = 0.0  # seconds a step with prompt chunks pays beyond their rows
+    per_key: float = 0.0  # seconds per key position the decodes' padded attention reads
     tree_overhead: float = 0.0  # seconds a step pays for having trees at all
     per_node: float | None = None  # seconds per drafted node (None: not measured yet)
 
@@ -67,7 +68,7 @@ class StepFit:
 class StepCost:
     """What a step of one batch size costs, fitted to recent measured steps:
 
-        seconds = fixed + scale * T(base_tokens) + chunk_overhead * [prompt chunks]
+        seconds = fixed + per_key * keys + scale * T(base_tokens) + chunk_overhead * [prompt chunks]
                   + tree_overhead * [nodes > 0] + node_price * nodes.
 
     The calibrated curve T times one sequence's forward by its rows: the matmuls, which every row
@@ -83,7 +84,12 @@ class StepCost:
     attends over them in a call of its own: where both kinds were measured, `fixed` is the
     decode-only steps' and the chunks' steps pay `chunk_overhead` on top, so that a busy
     server's decode steps, most of its steps, are not priced as the average of both (a decode
-    step priced dearer than it is makes every tree measured against it look cheap).
+    step priced dearer than it is makes every tree measured against it look cheap). Likewise
+    the decodes' attention: padded to their longest sequence, it reads decodes x that length
+    keys (`keys`), which doubles when one long prompt joins a batch of short ones, and a fit
+    that learnt this only from its window's steps would price the next dozens of steps as the
+    last dozens were (trees drafted just when plain steps got cheaper again, wrongly priced).
+    Where the window's steps differ in keys, `per_key` prices them (Theil-Sen).
 
     Trees then add what the plain steps cannot see: an attention call of their own, their
     nodes' logits and verification. Their samples' residuals over the plain fit give a price per
@@ -97,13 +103,13 @@ class StepCost:
     def __init__(self, curve: ForwardCost, window: int = 32, min_samples: int = 3, tree_memory: int = 500):
         self.curve = curve
         self.min_samples = min_samples
-        # Per step: base_tokens, T(base_tokens), nodes, seconds, T(base_tokens + nodes), chunked. Plain
+        # Per step: base_tokens, T(base_tokens), nodes, seconds, T(base_tokens + nodes), chunked, keys. Plain
         # steps and steps with trees are kept apart, `window` of each: a busy server runs tree
         # steps seldom, and its plain steps must not push out what those measured, or every few
         # dozen steps the price of trees would fall back to the curve's and another costly tree
         # step would go to measure it again.
-        self._plain: deque[tuple[int, float, float, float, float, bool]] = deque(maxlen=window)
-        self._trees: deque[tuple[int, float, float, float, float, bool]] = deque(maxlen=window)
+        self._plain: deque[tuple[int, float, float, float, float, bool, int]] = deque(maxlen=window)
+        self._trees: deque[tuple[int, float, float, float, float, bool, int]] = deque(maxlen=window)
         # But not for ever: trees found dear are not drafted, so nothing would re-measure them,
         # and a few slow steps (a noisy neighbour) would switch trees off at this batch size for
         # good. Tree samples older than `tree_memory` steps are forgotten; then the next trees
@@ -114,11 +120,11 @@ class StepCost:
         self._fitted: StepFit | None = None
         self._since_fit = 0
 
-    def add(self, base_tokens: int, nodes: int, seconds: float, chunked: bool = False) -> None:
+    def add(self, base_tokens: int, nodes: int, seconds: float, chunked: bool = False, keys: int = 0) -> None:
         """A measured step: `base_tokens` of decodes and prompt chunks (`chunked`: some of them
-        prompt tokens), `nodes` drafted nodes."""
+        prompt tokens), `nodes` drafted nodes; `keys`: decodes x their longest sequence."""
         sample = (base_tokens, self.curve(base_tokens), float(nodes), seconds, self.curve(base_tokens + nodes),
-                  chunked)
+                  chunked, keys)
         self._steps += 1
         if nodes:
             self._trees.append(sample)
@@ -137,11 +143,12 @@ class StepCost:
         if len(window) < window.maxlen or self._since_fit >= REFIT_EVERY:
             self._fitted = None
 
-    def seconds(self, base_tokens: int, nodes: np.ndarray | int, chunked: bool = False) -> np.ndarray | float:
-        """Predicted time of a step with `base_tokens` (`chunked`: some of them prompt tokens)
-        and `nodes` drafted nodes."""
+    def seconds(self, base_tokens: int, nodes: np.ndarray | int, chunked: bool = False,
+                keys: int = 0) -> np.ndarray | float:
+        """Predicted time of a step with `base_tokens` (`chunked`: some of them prompt tokens),
+        `keys` (see `add`) and `nodes` drafted nodes."""
         fit = self.fit()
-        plain = fit.fixed + fit.scale * self.curve(base_tokens) + fit.chunk_overhead * chunked
+        plain = fit.fixed + fit.per_key * keys + fit.scale * self.curve(base_tokens) + fit.chunk_overhead * chunked
         return plain + fit.tree_overhead * (nodes > 0) + self.node_seconds(base_tokens) * nodes
 
     def node_seconds(self, base_tokens: int) -> float:
@@ -163,38 +170,44 @@ class StepCost:
             return StepFit()
         if len(self._plain) < self.min_samples:
             return self._fit_mostly_trees()
-        _, rows, _, seconds, _, chunked = np.asarray(self._plain).T
-        fixed, scale, chunk_overhead = self._fit_plain(rows, seconds, chunked > 0)
+        _, rows, _, seconds, _, chunked, keys = np.asarray(self._plain).T
+        plain = self._fit_plain(rows, seconds, chunked > 0, keys)
         if len(self._trees) < self.min_samples:
-            return StepFit(fixed, scale, chunk_overhead)
-        bases, rows, nodes, seconds, _, chunked = np.asarray(self._trees).T
-        residual = seconds - fixed - scale * rows - chunk_overhead * chunked
-        floors = scale * np.array([self.curve.slope(int(base)) for base in bases])
+            return plain
+        bases, rows, nodes, seconds, _, chunked, keys = np.asarray(self._trees).T
+        residual = seconds - plain.fixed - plain.per_key * keys - plain.scale * rows - plain.chunk_overhead * chunked
+        floors = plain.scale * np.array([self.curve.slope(int(base)) for base in bases])
         if not _spread(nodes):
-            return StepFit(fixed, scale, chunk_overhead, 0.0, float(np.median(residual / nodes)))
+            return replace(plain, per_node=float(np.median(residual / nodes)))
         per_node = _median_slope(residual, nodes)
         overhead = float(np.median(residual - np.maximum(per_node, floors) * nodes))
-        return StepFit(fixed, scale, chunk_overhead, max(0.0, overhead), per_node)
+        return replace(plain, tree_overhead=max(0.0, overhead), per_node=per_node)
 
-    def _fit_plain(self, rows: np.ndarray, seconds: np.ndarray, chunked: np.ndarray) -> tuple[float, float, float]:
-        """(fixed, scale, chunk_overhead) of the plain steps: the price of a row from the steps
-        whose prompt chunks differ (all plain steps while those are few), `fixed` from the
-        decode-only steps and the chunks' overhead from theirs, where each kind has
-        `min_samples` (else one `fixed` for all)."""
+    def _fit_plain(self, rows: np.ndarray, seconds: np.ndarray, chunked: np.ndarray, keys: np.ndarray) -> StepFit:
+        """The plain steps' fit: the price of a row from the steps whose prompt chunks differ
+        (all plain steps while those are few); the price of a key from the decode-only steps
+        (all while those are few), where their keys differ; `fixed` from them, and the chunks'
+        overhead from theirs (where both kinds have `min_samples`; else one `fixed` for all)."""
         decodes = ~chunked
         few = min(int(decodes.sum()), int(chunked.sum())) < self.min_samples
         fixed, scale = _affine(rows, seconds) if few else _affine(rows[chunked], seconds[chunked])
-        if few:
-            return fixed, scale, 0.0
-        fixed = float(np.median(seconds[decodes] - scale * rows[decodes]))
-        return fixed, scale, float(np.median(seconds[chunked] - scale * rows[chunked])) - fixed
+        residual = seconds - scale * rows
+        base = np.ones_like(decodes) if decodes.sum() < self.min_samples else decodes
+        apart = 0.1 * float(np.median(keys[base]))
+        per_key = 0.0
+        if apart > 0 and np.ptp(keys[base]) > apart:
+            per_key = max(0.0, _median_slope(residual[base], keys[base], apart))
+        residual -= per_key * keys
+        fixed = fixed if few and not per_key else float(np.median(residual[base]))
+        chunk_overhead = 0.0 if few else float(np.median(residual[chunked])) - fixed
+        return StepFit(fixed, scale, chunk_overhead, per_key)
 
     def _fit_mostly_trees(self) -> StepFit:
         """A speculating engine may run few plain steps (at batch 1, nearly every step has a
         tree): then every step is measured against the curve, seconds / T(base_tokens) =
         scale + per_node * nodes / T(base_tokens), and where no two differ in nodes the curve
         prices them (the scale from seconds / T(base_tokens + nodes))."""
-        _, rows, nodes, seconds, with_nodes, _ = np.asarray([*self._plain, *self._trees]).T
+        _, rows, nodes, seconds, with_nodes, _, _ = np.asarray([*self._plain, *self._trees]).T
         if not _spread(nodes / rows):
             return StepFit(scale=float(np.median(seconds / with_nodes)))
         per_node = _median_slope(seconds / rows, nodes / rows)

@@ -227,9 +227,10 @@ class LLMEngine:
             for (s, row), token in zip(plain, tokens, strict=True):
                 deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
         # Sized as the scheduler sized its budgets: by decoding sequences, then tokens and nodes.
-        decoding = sum(1 for s in plan.scheduled if s.num_tokens == 1)
-        self.policy.observe_step(decoding, sum(s.num_tokens for s in plan.scheduled),
-                                 sum(d.num_drafted for d in drafts.values()), time.perf_counter() - start)
+        decoding = [s.context_len + 1 for s in plan.scheduled if s.num_tokens == 1]
+        self.policy.observe_step(len(decoding), sum(s.num_tokens for s in plan.scheduled),
+                                 sum(d.num_drafted for d in drafts.values()), time.perf_counter() - start,
+                                 len(decoding) * max(decoding, default=0))
         return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
 
     # -- speculation ----------------------------------------------------------------------------

@@ -88,7 +88,8 @@ class Scheduler:
                 budget -= 1
         prompt_tokens = min(budget, sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1))
         caps = {seq: self._tree_budget(seq) for seq in wanted if seq.drafter is not None}
-        trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget, num_seqs=len(wanted)) if caps else {}
+        keys = len(wanted) * max((seq.num_tokens for seq in wanted), default=0)  # padded attention: see StepCost
+        trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget, len(wanted), keys) if caps else {}
         plan.token_seconds = self.policy.token_seconds if trees else None
         budget -= sum(trees.values())
         for seq in self.running:

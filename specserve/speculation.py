@@ -11,8 +11,8 @@ maximise the step's expected emitted tokens per second:
   else alpha_r^k, alpha_r the sequence's measured acceptance (shrunk toward its drafter's
   while the sequence has few steps of its own);
 * T: the step's forward, `specserve.cost_model.StepCost` of its batch size, fitted to the steps
-  measured at that batch size: a fixed part (the batch's attention over its sequences' contexts,
-  which an extra row does not repeat), the calibrated cost of the step's own rows (decodes and
+  measured at that batch size: a fixed part, the decodes' attention by the keys it reads (an
+  extra row does not repeat it), the calibrated cost of the step's own rows (decodes and
   prompt chunks), scaled, a price for having trees at all, and a price per drafted node: a
   batch with trees loses the decode-only fast paths and pays for verification, which the
   single-chain calibration cannot see, so at high load one lone guess does not pay for the
@@ -87,15 +87,16 @@ class SpeculationPolicy:
         record.accepted += accepted
         record.rejected += 1
 
-    def observe_step(self, num_seqs: int, base_tokens: int, nodes: int, seconds: float) -> None:
+    def observe_step(self, num_seqs: int, base_tokens: int, nodes: int, seconds: float, keys: int = 0) -> None:
         """A step's measured time from its forward to its last emitted token (drafting excluded):
-        `base_tokens` of decodes and prompt chunks, `nodes` drafted nodes."""
+        `base_tokens` of decodes and prompt chunks, `nodes` drafted nodes, `keys` the decodes'
+        number times their longest sequence (see `StepCost`)."""
         if self.forward_cost is not None:
-            self._step_cost(num_seqs).add(base_tokens, nodes, seconds, chunked=base_tokens > num_seqs)
+            self._step_cost(num_seqs).add(base_tokens, nodes, seconds, base_tokens > num_seqs, keys)
 
-    def step_seconds(self, num_seqs: int, base_tokens: int, nodes: int = 0) -> float:
+    def step_seconds(self, num_seqs: int, base_tokens: int, nodes: int = 0, keys: int = 0) -> float:
         """Predicted time of a step (without drafting)."""
-        return float(self._step_cost(num_seqs).seconds(base_tokens, nodes, chunked=base_tokens > num_seqs))
+        return float(self._step_cost(num_seqs).seconds(base_tokens, nodes, base_tokens > num_seqs, keys))
 
     def _step_cost(self, num_seqs: int) -> StepCost:
         bucket = _bucket(num_seqs)
@@ -114,22 +115,23 @@ class SpeculationPolicy:
     # -- the decision ---------------------------------------------------------------------------
 
     def budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
-                num_seqs: int | None = None) -> dict[Sequence, int]:
+                num_seqs: int | None = None, keys: int = 0) -> dict[Sequence, int]:
         """Drafted nodes per sequence (each within its cap, all within `max_total`). `num_seqs`:
-        the step's decoding sequences, speculating or not (default: those in `caps`)."""
+        the step's decoding sequences, speculating or not (default: those in `caps`); `keys`:
+        their number times the longest one's tokens (see `StepCost`)."""
         if not self.adaptive or self.forward_cost is None:
             chosen, left = {}, max_total
             for seq, cap in caps.items():
                 chosen[seq] = min(cap, left)
                 left -= chosen[seq]
             return chosen
-        return self._best_budgets(caps, base_tokens, max_total, len(caps) if num_seqs is None else num_seqs)
+        return self._best_budgets(caps, base_tokens, max_total, len(caps) if num_seqs is None else num_seqs, keys)
 
     def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
-                      num_seqs: int) -> dict[Sequence, int]:
+                      num_seqs: int, keys: int) -> dict[Sequence, int]:
         budgets = dict.fromkeys(caps, 0)
         step_cost = self._step_cost(num_seqs)
-        plain_rate = num_seqs / step_cost.seconds(base_tokens, 0, chunked=base_tokens > num_seqs)  # each emits >= 1
+        plain_rate = num_seqs / step_cost.seconds(base_tokens, 0, base_tokens > num_seqs, keys)  # each emits >= 1
         self.token_seconds = 1.0 / plain_rate
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
@@ -147,7 +149,8 @@ class SpeculationPolicy:
             self._skips[bucket] -= 1
             return budgets
         start = self._clock()
-        plan = self._best_plan(seqs, caps, base_tokens, max_total, num_seqs, step_cost, node_seconds, plain_rate)
+        plan = self._best_plan(seqs, caps, base_tokens, max_total, num_seqs, keys, step_cost, node_seconds,
+                               plain_rate)
         if plan is None:  # looked for nothing: skip the next looks while looking costs too much
             spent = self._clock() - start
             self._skips[bucket] = int(spent * plain_rate / (self.deciding_share * num_seqs))
@@ -159,7 +162,7 @@ class SpeculationPolicy:
         return budgets
 
     def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
-                   num_seqs: int, step_cost: StepCost, node_seconds: float,
+                   num_seqs: int, keys: int, step_cost: StepCost, node_seconds: float,
                    plain_rate: float) -> tuple[np.ndarray, float] | None:
         """The sequence row of every node of the best plan, and its rate (None: plain steps are
         as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN)."""
@@ -172,7 +175,7 @@ class SpeculationPolicy:
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
-        seconds = (step_cost.seconds(base_tokens, np.arange(1, len(rows) + 1), chunked=base_tokens > num_seqs)
+        seconds = (step_cost.seconds(base_tokens, np.arange(1, len(rows) + 1), base_tokens > num_seqs, keys)
                    + self._draft_seconds(seqs, rows, depths))
         rates = tokens / seconds
         best = int(np.argmax(rates))

@@ -248,6 +248,19 @@ def test_steps_that_prefilled_do_not_make_decode_steps_look_dear():
     assert cost.seconds(64, 10) == pytest.approx(0.018 + BATCH(64) + 0.003 + 0.006)
 
 
+def test_a_long_sequence_joining_the_batch_is_priced_from_its_first_step():
+    """32 decodes' attention is padded to their longest sequence: one long prompt joining makes
+    every decode read twice the keys. The window's steps, which differed in keys, price a key,
+    so the next step is priced as it will be, not as the last dozens were."""
+    cost = StepCost(BATCH)
+    for keys in (8000, 9000, 8500, 12000, 9500, 8000, 10000, 11000):
+        cost.add(32, 0, 0.010 + 3e-6 * keys + BATCH(32), keys=keys)
+    assert cost.seconds(32, 0, keys=20000) == pytest.approx(0.010 + 0.060 + BATCH(32))
+    for nodes in (4, 8, 16):  # and trees are priced apart from the keys their steps read
+        cost.add(32, nodes, 0.010 + 3e-6 * 16000 + BATCH(32) + 0.002 + 0.001 * nodes, keys=16000)
+    assert cost.seconds(32, 10, keys=8000) == pytest.approx(0.010 + 0.024 + BATCH(32) + 0.002 + 0.010)
+
+
 def test_a_busy_batch_drafts_the_guesses_worth_more_than_a_row():
     """64 decodes, each of their tokens worth 2.7 * T(64) / 64 = 1.8 ms of the step, a row 0.55 ms:
     sure guesses (0.7) pay, even if the step's measured / calibrated ratio says 2.7."""
