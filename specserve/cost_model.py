@@ -214,6 +214,12 @@ class StepCost:
         return StepFit(scale=float(np.median((seconds - per_node * nodes) / rows)), per_node=per_node)
 
 
+def decode_keys(lengths: list[int]) -> int:
+    """The key positions a step's decodes read, given their sequences' lengths: their attention
+    is padded to the longest (see `StepCost`)."""
+    return len(lengths) * max(lengths, default=0)
+
+
 def _affine(rows: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
     """(fixed, scale) of seconds = fixed + scale * rows: Theil-Sen where the steps' rows differ
     (by prompt chunks; at least by a tenth), else (or where that line makes no sense) the rows at

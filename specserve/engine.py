@@ -34,6 +34,7 @@ from drafters import (
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
+from specserve.cost_model import decode_keys, load_or_measure
 from specserve.detokenizer import TextStream, load_tokenizer
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
@@ -230,7 +231,7 @@ class LLMEngine:
         decoding = [s.context_len + 1 for s in plan.scheduled if s.num_tokens == 1]
         self.policy.observe_step(len(decoding), sum(s.num_tokens for s in plan.scheduled),
                                  sum(d.num_drafted for d in drafts.values()), time.perf_counter() - start,
-                                 len(decoding) * max(decoding, default=0))
+                                 decode_keys(decoding))
         return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
 
     # -- speculation ----------------------------------------------------------------------------
@@ -257,8 +258,6 @@ class LLMEngine:
     def _calibrate(self) -> None:
         """The adaptive policy needs the forward cost curve: cached, or measured once now."""
         if self.policy.adaptive and self.policy.forward_cost is None:
-            from specserve.cost_model import load_or_measure
-
             self.policy.forward_cost = load_or_measure(self.runner, self.block_manager,
                                                        self.config.max_num_batched_tokens, self.model_path)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from specserve.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from specserve.config import EngineConfig
+from specserve.cost_model import decode_keys
 from specserve.sequence import Sequence, SequenceStatus
 from specserve.speculation import SpeculationPolicy
 from specserve.tree import TokenTree
@@ -88,7 +89,7 @@ class Scheduler:
                 budget -= 1
         prompt_tokens = min(budget, sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1))
         caps = {seq: self._tree_budget(seq) for seq in wanted if seq.drafter is not None}
-        keys = len(wanted) * max((seq.num_tokens for seq in wanted), default=0)  # padded attention: see StepCost
+        keys = decode_keys([seq.num_tokens for seq in wanted])
         trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget, len(wanted), keys) if caps else {}
         plan.token_seconds = self.policy.token_seconds if trees else None
         budget -= sum(trees.values())
