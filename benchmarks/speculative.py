@@ -16,8 +16,8 @@
     +- 50%, the same per request number for both engines): with all equal, the clients finish
     in lockstep, and the plain engine prefills their next prompts together in a few steps,
     which no real traffic does and speculation (accepting different runs per request) breaks
-    (in a scratch run, two plain engines side by side ran 1-2% slower with +- 25% lengths than
-    with equal ones).
+    (two plain engines side by side were measurably slower with varied lengths than with equal
+    ones).
 
 EOS is ignored everywhere so that every run generates the same number of tokens.
 
