@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -132,7 +133,9 @@ class SpeculationPolicy:
                       num_seqs: int, keys: int) -> dict[Sequence, int]:
         budgets = dict.fromkeys(caps, 0)
         step_cost = self._step_cost(num_seqs)
-        plain_rate = num_seqs / step_cost.seconds(base_tokens, 0, base_tokens > num_seqs, keys)  # each emits >= 1
+        # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
+        step_seconds = partial(step_cost.seconds, base_tokens, chunked=base_tokens > num_seqs, keys=keys)
+        plain_rate = num_seqs / step_seconds(0)  # each emits >= 1 token
         self.token_seconds = 1.0 / plain_rate
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
@@ -150,8 +153,7 @@ class SpeculationPolicy:
             self._skips[bucket] -= 1
             return budgets
         start = self._clock()
-        plan = self._best_plan(seqs, caps, base_tokens, max_total, num_seqs, keys, step_cost, node_seconds,
-                               plain_rate)
+        plan = self._best_plan(seqs, caps, max_total, num_seqs, step_seconds, node_seconds, plain_rate)
         if plan is None:  # looked for nothing: skip the next looks while looking costs too much
             spent = self._clock() - start
             self._skips[bucket] = int(spent * plain_rate / (self.deciding_share * num_seqs))
@@ -162,8 +164,8 @@ class SpeculationPolicy:
             budgets[seqs[row]] = int(count)
         return budgets
 
-    def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
-                   num_seqs: int, keys: int, step_cost: StepCost, node_seconds: float,
+    def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], max_total: int, num_seqs: int,
+                   step_seconds: Callable[[np.ndarray], np.ndarray], node_seconds: float,
                    plain_rate: float) -> tuple[np.ndarray, float] | None:
         """The sequence row of every node of the best plan, and its rate (None: plain steps are
         as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN)."""
@@ -176,8 +178,7 @@ class SpeculationPolicy:
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
-        seconds = (step_cost.seconds(base_tokens, np.arange(1, len(rows) + 1), base_tokens > num_seqs, keys)
-                   + self._draft_seconds(seqs, rows, depths))
+        seconds = step_seconds(np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths)
         rates = tokens / seconds
         best = int(np.argmax(rates))
         if rates[best] <= plain_rate * (1 + MIN_RATE_GAIN):
