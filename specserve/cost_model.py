@@ -64,6 +64,10 @@ class StepFit:
     tree_overhead: float = 0.0  # seconds a step pays for having trees at all
     per_node: float | None = None  # seconds per drafted node (None: not measured yet)
 
+    def plain(self, rows: np.ndarray | float, chunked: np.ndarray | bool, keys: np.ndarray | int) -> np.ndarray | float:
+        """Seconds of a step without trees whose rows cost `rows` on the calibrated curve."""
+        return self.fixed + self.per_key * keys + self.scale * rows + self.chunk_overhead * chunked
+
 
 class StepCost:
     """What a step of one batch size costs, fitted to recent measured steps:
@@ -148,7 +152,7 @@ class StepCost:
         """Predicted time of a step with `base_tokens` (`chunked`: some of them prompt tokens),
         `keys` (see `add`) and `nodes` drafted nodes."""
         fit = self.fit()
-        plain = fit.fixed + fit.per_key * keys + fit.scale * self.curve(base_tokens) + fit.chunk_overhead * chunked
+        plain = fit.plain(self.curve(base_tokens), chunked, keys)
         return plain + fit.tree_overhead * (nodes > 0) + self.node_seconds(base_tokens) * nodes
 
     def node_seconds(self, base_tokens: int) -> float:
@@ -171,17 +175,17 @@ class StepCost:
         if len(self._plain) < self.min_samples:
             return self._fit_mostly_trees()
         _, rows, _, seconds, _, chunked, keys = np.asarray(self._plain).T
-        plain = self._fit_plain(rows, seconds, chunked > 0, keys)
+        plain_fit = self._fit_plain(rows, seconds, chunked > 0, keys)
         if len(self._trees) < self.min_samples:
-            return plain
+            return plain_fit
         bases, rows, nodes, seconds, _, chunked, keys = np.asarray(self._trees).T
-        residual = seconds - plain.fixed - plain.per_key * keys - plain.scale * rows - plain.chunk_overhead * chunked
-        floors = plain.scale * np.array([self.curve.slope(int(base)) for base in bases])
+        residual = seconds - plain_fit.plain(rows, chunked, keys)
+        floors = plain_fit.scale * np.array([self.curve.slope(int(base)) for base in bases])
         if not _spread(nodes):
-            return replace(plain, per_node=float(np.median(residual / nodes)))
+            return replace(plain_fit, per_node=float(np.median(residual / nodes)))
         per_node = _median_slope(residual, nodes)
         overhead = float(np.median(residual - np.maximum(per_node, floors) * nodes))
-        return replace(plain, tree_overhead=max(0.0, overhead), per_node=per_node)
+        return replace(plain_fit, tree_overhead=max(0.0, overhead), per_node=per_node)
 
     def _fit_plain(self, rows: np.ndarray, seconds: np.ndarray, chunked: np.ndarray, keys: np.ndarray) -> StepFit:
         """The plain steps' fit: the price of a row from the steps whose prompt chunks differ
