@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from specserve.tree import TokenTree
@@ -60,7 +59,7 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:  # noqa: B027 - stateless drafters need nothing
         """Forget per-sequence state (the sequence finished, was aborted or was preempted)."""
 
-    def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> np.ndarray | None:
+    def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> Sequence[float] | None:
         """What this drafter's proposal for the sequence would be worth now, if it can tell before
         drafting: P(its first k drafted tokens are all accepted), k = 1..max_depth (zeros: it has
         nothing to propose). None: no estimate of its own; the policy goes by the sequence's

@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from drafters.base import Draft, Drafter, DraftRequest
 from specserve.tree import TokenTree
 
@@ -73,12 +71,16 @@ class _Index:
 
 class _Scores:
     """Per kind of match and depth k: how often the guess's k-th token came true when its
-    first k - 1 had (conditional rates, so a guess still running scores the depths it reached)."""
+    first k - 1 had (conditional rates, so a guess still running scores the depths it reached).
+
+    Plain Python lists, not numpy: a busy step scores a few dozen guesses and reads as many
+    profiles, each a handful of numbers, and numpy's per-call overhead (worse with the caches
+    cold from the forward just before) made that a sizeable share of the step's bookkeeping."""
 
     def __init__(self, kinds: int):
-        self.hits = np.zeros((kinds, GUESS_DEPTH))
-        self.trials = np.zeros((kinds, GUESS_DEPTH))
-        self._profiles: np.ndarray | None = None
+        self.hits = [[0.0] * GUESS_DEPTH for _ in range(kinds)]
+        self.trials = [[0.0] * GUESS_DEPTH for _ in range(kinds)]
+        self._profiles: dict[int, list[float]] = {}  # by kind, until its scores change
 
     def score(self, guess: _Guess, actual: Sequence[int]) -> bool:
         """Score the guess against `actual`, the tokens since it was made: True once resolved
@@ -97,28 +99,36 @@ class _Scores:
         """The sequence ended with the guess still coming true: it counts for the depths it reached."""
         self._add(guess.kind, guess.matched, missed=False)
 
-    def profile(self, kind: int, depth: int) -> np.ndarray:
+    def profile(self, kind: int, depth: int) -> list[float]:
         """P(the guess's first k tokens all come true), k = 1..depth (the deepest rate repeats)."""
-        row = self._cumulative()[kind]
+        row = self._cumulative(kind)
         if depth <= GUESS_DEPTH:
             return row[:depth]
         last = row[-1] / row[-2]
-        return np.concatenate([row, row[-1] * last ** np.arange(1, depth - GUESS_DEPTH + 1)])
+        return row + [row[-1] * last**k for k in range(1, depth - GUESS_DEPTH + 1)]
 
     def best_first(self) -> float:
         """The first token's rate of the surest kind of match."""
-        return float(self._cumulative()[:, 0].max())
+        return max(self._cumulative(kind)[0] for kind in range(len(self.hits)))
 
-    def _cumulative(self) -> np.ndarray:
-        if self._profiles is None:
-            rates = (self.hits + PRIOR_RATE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
-            self._profiles = np.cumprod(rates, axis=1)
-        return self._profiles
+    def _cumulative(self, kind: int) -> list[float]:
+        profile = self._profiles.get(kind)
+        if profile is None:
+            profile, running = [], 1.0
+            for hits, trials in zip(self.hits[kind], self.trials[kind], strict=True):
+                running *= (hits + PRIOR_RATE * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
+                profile.append(running)
+            self._profiles[kind] = profile
+        return profile
 
     def _add(self, kind: int, matched: int, missed: bool) -> None:
-        self.hits[kind, :matched] += 1
-        self.trials[kind, : matched + missed] += 1
-        self._profiles = None
+        hits, trials = self.hits[kind], self.trials[kind]
+        for k in range(matched):
+            hits[k] += 1
+            trials[k] += 1
+        if missed:  # the token after the matched ones was tried and missed (a guess misses before its end)
+            trials[matched] += 1
+        self._profiles.pop(kind, None)
 
 
 class NgramDrafter(Drafter):
@@ -134,11 +144,11 @@ class NgramDrafter(Drafter):
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self._propose(r) for r in requests]
 
-    def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> np.ndarray:
+    def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> list[float]:
         index = self._update(seq_id, token_ids)
         guess = index.guesses[-1] if index.guesses and index.guesses[-1].at == len(token_ids) else None
         if guess is None:
-            return np.zeros(max_depth)
+            return [0.0] * max_depth
         return self._scores.profile(guess.kind, max_depth)
 
     def acceptance_bound(self) -> float:
