@@ -32,7 +32,8 @@ from specserve.tree import TokenTree
 CALIBRATION_CONTEXT = 128
 REPEATS = 3
 SLOPE_SPAN = 16  # tokens over which a curve's local slope is taken
-REFIT_EVERY = 8  # steps after which full windows are fitted again (see `StepCost.add`)
+REFIT_SECONDS = 1.0  # measured step time after which the fit is redone (see `StepCost.add`)
+EAGER_FITS = 2  # a window's first EAGER_FITS x min_samples samples are each fitted at once
 
 
 class RecentMedian:
@@ -122,7 +123,7 @@ class StepCost:
         self._tree_steps: deque[int] = deque(maxlen=window)  # when each tree sample was taken
         self._steps = 0
         self._fitted: StepFit | None = None
-        self._since_fit = 0
+        self._since_fit = 0.0  # seconds of the steps added since
 
     def add(self, base_tokens: int, nodes: int, seconds: float, chunked: bool = False, keys: int = 0) -> None:
         """A measured step: `base_tokens` of decodes and prompt chunks (`chunked`: some of them
@@ -138,13 +139,17 @@ class StepCost:
         while self._tree_steps and self._tree_steps[0] <= self._steps - self.tree_memory:
             self._tree_steps.popleft()
             self._trees.popleft()
-        # Refit at once while the sample's window is still filling (the first steps of a batch
-        # size change the fit most); a full window's next samples move its medians little, and
-        # refitting every step would cost a small batch's step a measurable share: every
-        # REFIT_EVERY of them.
-        self._since_fit += 1
+            self._fitted = None  # what was forgotten leaves the fit now
+        # Refit at once while the sample's window holds its first few samples (they change the
+        # fit most), else once the steps since the last fit took REFIT_SECONDS: later samples
+        # move the medians little, and a refit (over half a millisecond with the caches cold from
+        # the forward) would cost short steps a measurable share if it came every few of them.
+        # A busy server's tree window seldom fills (its trees are few, and forgotten after
+        # `tree_memory` steps): refitting on every tree step until it did made the bookkeeping
+        # around its trees cost about what they gained.
+        self._since_fit += seconds
         window = self._trees if nodes else self._plain
-        if len(window) < window.maxlen or self._since_fit >= REFIT_EVERY:
+        if len(window) < EAGER_FITS * self.min_samples or self._since_fit >= REFIT_SECONDS:
             self._fitted = None
 
     def seconds(self, base_tokens: int, nodes: np.ndarray | int, chunked: bool = False,
@@ -166,7 +171,7 @@ class StepCost:
         per node before `min_samples` plain steps and as many with trees."""
         if self._fitted is None:
             self._fitted = self._fit()
-            self._since_fit = 0
+            self._since_fit = 0.0
         return self._fitted
 
     def _fit(self) -> StepFit:

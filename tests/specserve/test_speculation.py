@@ -274,15 +274,32 @@ def test_a_busy_batch_drafts_the_guesses_worth_more_than_a_row():
 
 
 def test_a_machine_that_slows_down_is_noticed_within_a_few_steps():
-    """A full window is refitted only every few plain steps (every step would cost a small
-    batch's step a measurable share), but a slower machine still shows within them."""
-    cost = StepCost(FLAT, window=8)
-    for _ in range(8):
+    """Past a window's first samples, the fit is redone only after a second of steps (every
+    step would cost a small batch's step a measurable share), but a slower machine still shows
+    within them."""
+    cost = StepCost(FLAT, window=10)
+    for _ in range(10):
         cost.add(8, 0, FLAT(8))
     assert cost.seconds(8, 0) == pytest.approx(FLAT(8))
-    for _ in range(8):
+    for _ in range(10):  # a second of them
         cost.add(8, 0, 2 * FLAT(8))
     assert cost.seconds(8, 0) == pytest.approx(2 * FLAT(8))
+
+
+def test_past_its_first_samples_a_window_is_refitted_after_a_second_of_steps_not_every_step():
+    """A refit costs a busy step a measurable share: after a window's first samples (each
+    fitted at once), new samples wait for the next refit."""
+    cost = StepCost(FLAT, window=32)
+    for _ in range(6):
+        cost.add(8, 0, FLAT(8))
+        assert cost.seconds(8, 0) == pytest.approx(FLAT(8))
+    cost.add(8, 0, 0.2)
+    fitted = cost.fit()
+    cost.add(8, 0, 0.2)
+    assert cost.fit() is fitted
+    for _ in range(3):
+        cost.add(8, 0, 0.3)
+    assert cost.fit() is not fitted  # a second of steps since
 
 
 def test_a_node_never_costs_less_than_the_curves_slope():
