@@ -2,23 +2,28 @@
 
 No weights. Generated text often repeats its prompt or itself (code, quotes, lists, names),
 and wherever it does, the continuation after the last match is a good guess. Matches are
-looked up longest n-gram first in an index kept per sequence and extended incrementally,
-so a step costs O(new tokens), not O(sequence). The most recent matches come first; several
-distinct continuations become a tree (shared prefixes merged).
+looked up longest n-gram first, by searching the sequence's tokens, kept per sequence as bytes
+(4 per token) and extended incrementally, with `bytes.rfind`: a few searches in C per sequence
+and look, however many tokens came since its last look (a dictionary of every n-gram had to
+index each of them first, in Python: most of a busy server's look, where looks are spaced
+out). The most recent matches come first; several distinct continuations become a tree
+(shared prefixes merged).
 
 How good a guess is depends on the match, and that is known before anything is verified:
 on Spec-Bench with SmolLM2, the next token follows a 3-token match several times as often as
 a 1-token match, and more often still where the latest matches agree. So the drafter keeps score of
 its own guesses by kind of match, checking each against the tokens the sequence went on to
-emit, verified or not (a guess costs a dictionary look-up, so it is made every step), and
+emit, verified or not (a guess costs a few searches, so it is made at every look), and
 tells the speculation policy what the current guess is worth (`acceptance_profile`). A busy
 server then verifies just the few confident guesses instead of none or all.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, islice
 
 from drafters.base import Draft, Drafter, DraftRequest
 from specserve.tree import TokenTree
@@ -28,7 +33,7 @@ AGREEMENT = 3  # kinds of match by how many of the latest occurrences agree on t
 RECENT = 4  # occurrences looked at for that agreement
 PRIOR_RATE, PRIOR_WEIGHT = 0.5, 2.0  # an unscored kind of match: a coin flip, worth two guesses
 MIN_TREE_BUDGET = 4  # below this, the best match's chain alone (see `_propose`)
-BULK = 8  # new tokens from which the index is extended slice-wise (see `_Index.extend`)
+TOKEN_TYPECODE, TOKEN_BYTES = "i", 4  # a token id as bytes, for `bytes.rfind`
 
 
 @dataclass
@@ -43,30 +48,27 @@ class _Guess:
 
 @dataclass
 class _Index:
-    """For each n, n-gram -> positions right after its occurrences (oldest first)."""
+    """A sequence's tokens as bytes, for n-gram search, and its guesses."""
 
-    ngrams: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
-    indexed: int = 0  # continuations starting before this position are indexed
+    text: bytearray = field(default_factory=bytearray)  # the first `indexed` tokens, TOKEN_BYTES each
+    indexed: int = 0
     guesses: list[_Guess] = field(default_factory=list)  # not yet resolved, oldest first
 
-    def extend(self, tokens: Sequence[int], sizes: range) -> None:
-        # Index continuation starts up to len - 1: the n-gram ending at the last token is the
-        # query itself and must not match itself.
-        end = len(tokens)
-        for n in sizes:
-            table = self.ngrams.setdefault(n, {})
-            first = max(self.indexed, n)
-            if end - first > BULK:  # a prompt: its n-grams zipped from n shifted slices, ~4x faster
-                keys = zip(*[tokens[first - n + i : end - n + i] for i in range(n)], strict=True)
-            else:  # a step's few new tokens: the slices' setup would cost more than it saves
-                keys = (tuple(tokens[start - n : start]) for start in range(first, end))
-            for start, key in zip(range(first, end), keys, strict=False):
-                positions = table.get(key)
-                if positions is None:
-                    table[key] = [start]
-                else:
-                    positions.append(start)
-        self.indexed = max(self.indexed, end)
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.text += array(TOKEN_TYPECODE, tokens[self.indexed :]).tobytes()
+        self.indexed = len(tokens)
+
+    def occurrences(self, n: int) -> Iterator[int]:
+        """Where earlier occurrences of the last n tokens were followed, most recent first (the
+        last n tokens themselves are the query, not a match)."""
+        needle = bytes(self.text[-n * TOKEN_BYTES :])
+        end = (self.indexed - 1) * TOKEN_BYTES  # a match ends before the last token
+        while (found := self.text.rfind(needle, 0, end)) >= 0:
+            if found % TOKEN_BYTES:  # straddles tokens: look again just before it
+                end = found + len(needle) - 1
+                continue
+            yield found // TOKEN_BYTES + n
+            end = found + len(needle) - TOKEN_BYTES  # earlier matches may overlap this one
 
 
 class _Scores:
@@ -166,28 +168,29 @@ class NgramDrafter(Drafter):
         index = self._indexes.setdefault(seq_id, _Index())
         if index.indexed == len(tokens):
             return index  # this step's guess is made already
-        index.extend(tokens, self.sizes)
+        index.extend(tokens)
         index.guesses = [g for g in index.guesses if not self._scores.score(g, tokens[g.at :])]
-        match = self._best_match(tokens, index)
+        match = self._best_match(index)
         if match is not None:
             n, starts = match
-            follow = tokens[starts[-1]]
-            agreeing = sum(tokens[s] == follow for s in starts[-RECENT:])
+            recent = list(islice(starts, RECENT))
+            agreeing = sum(tokens[s] == tokens[recent[0]] for s in recent)
             kind = (n - self.sizes.start) * AGREEMENT + min(agreeing, AGREEMENT) - 1
-            index.guesses.append(_Guess(kind, len(tokens), list(tokens[starts[-1] : starts[-1] + GUESS_DEPTH])))
+            index.guesses.append(_Guess(kind, len(tokens), list(tokens[recent[0] : recent[0] + GUESS_DEPTH])))
         return index
 
-    def _matches(self, tokens: Sequence[int], index: _Index) -> Iterator[tuple[int, list[int]]]:
+    def _matches(self, index: _Index) -> Iterator[tuple[int, Iterator[int]]]:
         """Every n-gram ending the sequence that occurred before, longest first: (n, where each
-        occurrence was followed, oldest first)."""
+        occurrence was followed, most recent first)."""
         for n in reversed(self.sizes):
-            if len(tokens) >= n:
-                starts = index.ngrams.get(n, {}).get(tuple(tokens[-n:]))
-                if starts:
-                    yield n, starts
+            if index.indexed > n:
+                starts = index.occurrences(n)
+                latest = next(starts, None)
+                if latest is not None:
+                    yield n, chain([latest], starts)
 
-    def _best_match(self, tokens: Sequence[int], index: _Index) -> tuple[int, list[int]] | None:
-        return next(self._matches(tokens, index), None)
+    def _best_match(self, index: _Index) -> tuple[int, Iterator[int]] | None:
+        return next(self._matches(index), None)
 
     def _propose(self, request: DraftRequest) -> Draft:
         tokens = request.token_ids
@@ -213,8 +216,8 @@ class NgramDrafter(Drafter):
             return []
         paths: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        for _, starts in self._matches(tokens, index):
-            for start in reversed(starts):
+        for _, starts in self._matches(index):
+            for start in starts:
                 path = tuple(tokens[start : start + depth])
                 if path and path not in seen:
                     seen.add(path)

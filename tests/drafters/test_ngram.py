@@ -45,7 +45,8 @@ def test_budget_and_depth_are_respected(max_nodes, max_depth):
 
 
 def test_incremental_index_equals_a_fresh_one():
-    """A step's few tokens and a whole prompt are indexed differently (see `_Index.extend`)."""
+    """A sequence's tokens kept for search a few at a time (a step's) or many at once (a
+    prompt's, or those since a busy server's last look) find what a fresh sequence finds."""
     rng = random.Random(0)
     tokens = [rng.randrange(6) for _ in range(80)]
     incremental = NgramDrafter()
@@ -55,6 +56,15 @@ def test_incremental_index_equals_a_fresh_one():
         grown = propose(incremental, tokens[:length], seq_id=1)
         fresh = propose(NgramDrafter(), tokens[:length], seq_id=1)
         assert (grown.tokens, grown.parents) == (fresh.tokens, fresh.parents)
+
+
+def test_a_match_is_whole_tokens_not_bytes_that_straddle_two():
+    """Tokens are searched as bytes (4 per token): 256 = 00 01 00 00 and 1 = 01 00 00 00, so the
+    bytes of [256, 0] contain those of [1] one byte in, which is no occurrence of token 1."""
+    tree = propose(NgramDrafter(max_ngram=1), [256, 0, 5, 1], max_nodes=4, max_depth=4)
+    assert len(tree) == 1
+    tree = propose(NgramDrafter(max_ngram=1), [1, 7, 256, 0, 5, 1], max_nodes=4, max_depth=1)
+    assert tree.tokens == (1, 7)  # the real occurrence, found past the straddling more recent one
 
 
 def test_release_forgets_a_sequence():
