@@ -52,11 +52,12 @@ MIN_GAIN = 1e-3  # expected tokens below which another node is not worth conside
 # size differ by their prompt chunks far more than by a few nodes), and a busy server's trees
 # mostly promised fractions of a percent and lost more to the deciding and verifying around them.
 MIN_RATE_GAIN = 0.02
-# Looking at every sequence's guess takes a busy server's policy milliseconds (64 n-gram look-ups,
-# about 1% of its step): after a look found no plan worth its trees, the next looks at that batch
-# size are skipped until looking has cost at most this share of the steps' time on average. (A
-# look at one sequence costs a fraction of that share of its step: it is never skipped.) At 32
-# clients, where trees about break even, 0.5% of the steps spent looking was most of the loss.
+# Looking at every sequence's guess takes a busy server's policy about a millisecond (32 n-gram
+# searches, 1% of its step): after a look found no plan worth its trees, the next steps at that
+# batch size decide nothing (no look, not even the quick bound check) until looking has cost at
+# most this share of the steps' time on average. (A look at one sequence costs a fraction of that
+# share of its step: it is never skipped.) At 32 clients, where trees about break even, 0.5% of
+# the steps spent looking was most of the loss.
 DECIDING_SHARE = 0.002
 
 
@@ -77,7 +78,7 @@ class SpeculationPolicy:
         self._clock = clock
         self._drafters: dict[int, _DrafterRecord] = {}
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
-        self._skips: dict[int, int] = {}  # by batch bucket: looks left to skip (see DECIDING_SHARE)
+        self._skips: dict[int, int] = {}  # by batch bucket: steps left that decide nothing (see DECIDING_SHARE)
         # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
         # deciding whether another draft forward pays (None when not adaptive).
         self.token_seconds: float | None = None
@@ -132,6 +133,10 @@ class SpeculationPolicy:
     def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
                       num_seqs: int, keys: int) -> dict[Sequence, int]:
         budgets = dict.fromkeys(caps, 0)
+        bucket = _bucket(num_seqs)
+        if self._skips.get(bucket, 0) > 0:  # a look found nothing lately: this step decides nothing
+            self._skips[bucket] -= 1
+            return budgets
         step_cost = self._step_cost(num_seqs)
         # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
         step_seconds = partial(step_cost.seconds, base_tokens, chunked=base_tokens > num_seqs, keys=keys)
@@ -147,10 +152,6 @@ class SpeculationPolicy:
         node_seconds = step_cost.node_seconds(base_tokens)
         bound = _first_gain_bound(seqs)
         if bound is not None and bound * self.token_seconds <= node_seconds:
-            return budgets
-        bucket = _bucket(num_seqs)
-        if self._skips.get(bucket, 0) > 0:
-            self._skips[bucket] -= 1
             return budgets
         start = self._clock()
         plan = self._best_plan(seqs, caps, max_total, num_seqs, step_seconds, node_seconds, plain_rate)
