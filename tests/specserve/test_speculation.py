@@ -11,7 +11,7 @@ from specserve.cost_model import ForwardCost, RecentMedian, StepCost, StepFit, c
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence
-from specserve.speculation import OUTCOME_MEMORY, OUTCOME_SAMPLES, SpeculationPolicy
+from specserve.speculation import SpeculationPolicy
 
 
 class NullTokenizer:
@@ -435,26 +435,3 @@ def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_ofte
     for _ in range(7):
         assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     assert drafter.asked == 2 * 64  # looked at the first step and the seventh
-
-
-def test_trees_that_keep_delivering_less_than_they_promised_stop_until_forgotten():
-    """The drafter swears by its guesses (90% sure) and the cost model finds the trees cost next
-    to nothing, but none of the guesses comes true: the steps emit what plain steps would have,
-    in the same time. After OUTCOME_SAMPLES such steps the batch size drafts nothing, until
-    those outcomes are forgotten."""
-    policy = adaptive_policy(FLAT)
-    seqs = [decoding(i) for i in range(8)]
-    drafter = KnowingDrafter(dict.fromkeys(range(8), 0.9))
-    for seq in seqs:
-        seq.drafter = drafter
-
-    def step() -> int:
-        nodes = sum(policy.budgets(dict.fromkeys(seqs, 8), 8, 1024).values())
-        for _ in seqs if nodes else ():
-            policy.observe_verify(drafter, 0)
-        policy.observe_step(8, 8, nodes, seconds=FLAT(8))
-        return nodes
-
-    nodes = [step() for _ in range(OUTCOME_MEMORY + OUTCOME_SAMPLES)]
-    assert all(nodes[:OUTCOME_SAMPLES]) and not any(nodes[OUTCOME_SAMPLES:OUTCOME_MEMORY])
-    assert any(nodes[OUTCOME_MEMORY:])  # forgotten: tried again
