@@ -3,7 +3,7 @@
 For the decoding sequences of a step, the adaptive policy picks b_r drafted nodes each to
 maximise the step's expected emitted tokens per second:
 
-    rate(b) = sum_r (1 + E_r(b_r)) / (T(sum_r b_r) + sum_d D_d(b))
+    rate(b) = sum_r (1 + E_r(b_r)) / (T(sum_r b_r) + sum_d D_d(b) + L)
 
 * E_r(b) = P_r(1) + ... + P_r(b), P_r(k) the probability that the first k drafted tokens are
   all accepted: the drafter's own estimate for what it would propose this step where it has
@@ -18,7 +18,9 @@ maximise the step's expected emitted tokens per second:
   single-chain calibration cannot see, so at high load one lone guess does not pay for the
   attention call its tree brings, while the sure guesses of many sequences may;
 * D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
-  (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup).
+  (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup);
+* L: the look at every sequence's guess that found the plan (the last look's time at this batch
+  size; none for b = 0): a plan found keeps the policy looking at the next step.
 
 Nodes are ordered by marginal gain (P_r(k) for sequence r's k-th node), and the best
 prefix of that order wins, b = 0 included (trees only for a clear gain, MIN_RATE_GAIN): at
@@ -79,6 +81,7 @@ class SpeculationPolicy:
         self._drafters: dict[int, _DrafterRecord] = {}
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
         self._skips: dict[int, int] = {}  # by batch bucket: steps left that decide nothing (see DECIDING_SHARE)
+        self._look_seconds: dict[int, float] = {}  # by batch bucket: what the last look took
         # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
         # deciding whether another draft forward pays (None when not adaptive).
         self.token_seconds: float | None = None
@@ -154,9 +157,11 @@ class SpeculationPolicy:
         if bound is not None and bound * self.token_seconds <= node_seconds:
             return budgets
         start = self._clock()
-        plan = self._best_plan(seqs, caps, max_total, num_seqs, step_seconds, node_seconds, plain_rate)
+        plan = self._best_plan(seqs, caps, max_total, num_seqs, step_seconds, node_seconds, plain_rate,
+                               self._look_seconds.get(bucket, 0.0))
+        spent = self._clock() - start
+        self._look_seconds[bucket] = spent
         if plan is None:  # looked for nothing: skip the next looks while looking costs too much
-            spent = self._clock() - start
             self._skips[bucket] = int(spent * plain_rate / (self.deciding_share * num_seqs))
             return budgets
         rows, rate = plan
@@ -167,9 +172,12 @@ class SpeculationPolicy:
 
     def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], max_total: int, num_seqs: int,
                    step_seconds: Callable[[np.ndarray], np.ndarray], node_seconds: float,
-                   plain_rate: float) -> tuple[np.ndarray, float] | None:
+                   plain_rate: float, look_seconds: float) -> tuple[np.ndarray, float] | None:
         """The sequence row of every node of the best plan, and its rate (None: plain steps are
-        as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN)."""
+        as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN).
+        A plan also pays for the look that found it (`look_seconds`, the last look's at this
+        batch size): a plan found keeps the policy looking every step, which a busy server's
+        32 n-gram searches make 1% of its step, while plain steps need no look at all."""
         gains = self._gains(seqs, [caps[seq] for seq in seqs])
         if gains[:, 0].max() / plain_rate <= node_seconds:
             return None
@@ -179,7 +187,7 @@ class SpeculationPolicy:
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
-        seconds = step_seconds(np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths)
+        seconds = step_seconds(np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths) + look_seconds
         rates = tokens / seconds
         best = int(np.argmax(rates))
         if rates[best] <= plain_rate * (1 + MIN_RATE_GAIN):

@@ -435,3 +435,24 @@ def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_ofte
     for _ in range(7):
         assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     assert drafter.asked == 2 * 64  # looked at the first step and the seventh
+
+
+def test_a_plan_pays_for_the_look_that_found_it():
+    """Eight sure guesses among 64 decodes buy 12% more tokens per second, where nodes are nearly
+    free: drafted while the policy does not know what looking costs. Once a look is known to
+    take 15% of a step, which a plan found makes the policy pay again at the next step, they are
+    not worth it."""
+    cost = ForwardCost([1, 64, 128], [0.05, 0.06, 0.064])
+    now = [0.0]
+
+    def clock() -> float:  # each look takes 15% of a 64-decode step
+        now[0] += 0.15 * cost(64)
+        return now[0]
+
+    policy = SpeculationPolicy(adaptive=True, forward_cost=cost, clock=clock)
+    seqs = [decoding(i) for i in range(64)]
+    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.0) | dict.fromkeys(range(8), 0.95))
+    for seq in seqs:
+        seq.drafter = drafter
+    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
+    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 0
