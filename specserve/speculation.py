@@ -31,9 +31,7 @@ none, and the engine runs as fast as without speculation.
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -63,18 +61,6 @@ MIN_RATE_GAIN = 0.02
 # share of its step: it is never skipped.) At 32 clients, where trees about break even, 0.5% of
 # the steps spent looking was most of the loss.
 DECIDING_SHARE = 0.002
-# Promises checked against outcomes: each tree step's realized gain (tokens per second, its look
-# included, over what the plain step was predicted to take) is kept beside what its plan
-# promised, per batch size. Where the trees of a batch size delivered a share of what they
-# promised (mean realized over mean promised, once OUTCOME_SAMPLES were measured; means, not
-# medians: most tree steps of an n-gram drafter at batch 1 accept nothing and a few accept many),
-# new promises count at that share against MIN_RATE_GAIN; where they delivered nothing, no plan
-# passes. At 32 clients on a 2-core CPU, trees promising 5-8% delivered about half, some runs
-# less than nothing, through errors no single part of the cost model showed. Outcomes are
-# forgotten after OUTCOME_MEMORY steps, so a batch size whose trees stopped is tried again.
-OUTCOME_SAMPLES = 8
-OUTCOME_WINDOW = 32
-OUTCOME_MEMORY = 500
 
 
 @dataclass
@@ -96,12 +82,6 @@ class SpeculationPolicy:
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
         self._skips: dict[int, int] = {}  # by batch bucket: steps left that decide nothing (see DECIDING_SHARE)
         self._look_seconds: dict[int, float] = {}  # by batch bucket: what the last look took
-        # By batch bucket: (step, realized gain, promised gain) of recent tree steps (see OUTCOME_SAMPLES).
-        self._outcomes: dict[int, deque[tuple[int, float, float]]] = {}
-        self._steps = 0
-        # This step's plan: bucket, predicted plain seconds, promised gain, the look's seconds.
-        self._promise: tuple[int, float, float, float] | None = None
-        self._step_accepted = 0  # tokens accepted so far in this step's verification
         # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
         # deciding whether another draft forward pays (None when not adaptive).
         self.token_seconds: float | None = None
@@ -112,7 +92,6 @@ class SpeculationPolicy:
         record = self._record(drafter)
         record.accepted += accepted
         record.rejected += 1
-        self._step_accepted += accepted
 
     def observe_step(self, num_seqs: int, base_tokens: int, nodes: int, seconds: float, keys: int = 0) -> None:
         """A step's measured time from its forward to its last emitted token (drafting excluded):
@@ -120,12 +99,6 @@ class SpeculationPolicy:
         number times their longest sequence (see `StepCost`)."""
         if self.forward_cost is not None:
             self._step_cost(num_seqs).add(base_tokens, nodes, seconds, base_tokens > num_seqs, keys)
-        self._steps += 1
-        if self._promise is not None and nodes:
-            bucket, plain_seconds, promised, look = self._promise
-            realized = (num_seqs + self._step_accepted) / (seconds + look) / (num_seqs / plain_seconds) - 1
-            self._outcomes.setdefault(bucket, deque(maxlen=OUTCOME_WINDOW)).append((self._steps, realized, promised))
-        self._promise, self._step_accepted = None, 0
 
     def step_seconds(self, num_seqs: int, base_tokens: int, nodes: int = 0, keys: int = 0) -> float:
         """Predicted time of a step (without drafting)."""
@@ -193,7 +166,6 @@ class SpeculationPolicy:
             return budgets
         rows, rate = plan
         self.token_seconds = 1.0 / rate
-        self._promise = (bucket, num_seqs / plain_rate, rate / plain_rate - 1, spent)
         for row, count in enumerate(np.bincount(rows, minlength=len(seqs))):
             budgets[seqs[row]] = int(count)
         return budgets
@@ -218,20 +190,9 @@ class SpeculationPolicy:
         seconds = step_seconds(np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths) + look_seconds
         rates = tokens / seconds
         best = int(np.argmax(rates))
-        if (rates[best] / plain_rate - 1) * self._kept_share(_bucket(num_seqs)) <= MIN_RATE_GAIN:
+        if rates[best] <= plain_rate * (1 + MIN_RATE_GAIN):
             return None
         return rows[: best + 1], float(rates[best])
-
-    def _kept_share(self, bucket: int) -> float:
-        """What share of their promised gain this batch size's recent trees delivered (1 while
-        fewer than OUTCOME_SAMPLES were measured; at most 1: plans are not made bolder)."""
-        outcomes = self._outcomes.get(bucket)
-        while outcomes and outcomes[0][0] <= self._steps - OUTCOME_MEMORY:
-            outcomes.popleft()
-        if not outcomes or len(outcomes) < OUTCOME_SAMPLES:
-            return 1.0
-        _, realized, promised = zip(*outcomes, strict=True)
-        return min(1.0, statistics.fmean(realized) / max(statistics.fmean(promised), 1e-9))
 
     def _gains(self, seqs: list[Sequence], caps: list[int]) -> np.ndarray:
         """P_r(k) for every sequence r and k = 1..its cap (0 beyond): the drafter's estimate of

@@ -11,7 +11,7 @@ from specserve.cost_model import ForwardCost, RecentMedian, StepCost, StepFit, c
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence
-from specserve.speculation import OUTCOME_MEMORY, OUTCOME_SAMPLES, SpeculationPolicy
+from specserve.speculation import SpeculationPolicy
 
 
 class NullTokenizer:
@@ -456,45 +456,3 @@ def test_a_plan_pays_for_the_look_that_found_it():
         seq.drafter = drafter
     assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
     assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 0
-
-
-def test_trees_that_keep_delivering_less_than_they_promised_stop_until_forgotten():
-    """The drafter swears by its guesses (90% sure) and the cost model finds the trees cost next
-    to nothing, but none of the guesses comes true: the steps emit what plain steps would have,
-    in the same time. After OUTCOME_SAMPLES such steps the batch size drafts nothing, until
-    those outcomes are forgotten."""
-    policy = adaptive_policy(FLAT)
-    seqs = [decoding(i) for i in range(8)]
-    drafter = KnowingDrafter(dict.fromkeys(range(8), 0.9))
-    for seq in seqs:
-        seq.drafter = drafter
-
-    def step() -> int:
-        nodes = sum(policy.budgets(dict.fromkeys(seqs, 8), 8, 1024).values())
-        for _ in seqs if nodes else ():
-            policy.observe_verify(drafter, 0)
-        policy.observe_step(8, 8, nodes, seconds=FLAT(8))
-        return nodes
-
-    nodes = [step() for _ in range(OUTCOME_MEMORY + OUTCOME_SAMPLES)]
-    assert all(nodes[:OUTCOME_SAMPLES]) and not any(nodes[OUTCOME_SAMPLES:OUTCOME_MEMORY])
-    assert any(nodes[OUTCOME_MEMORY:])  # forgotten: tried again
-
-
-def test_trees_that_deliver_what_they_promise_on_average_go_on():
-    """Most of the trees accept nothing and every fourth accepts all 8 of its sequences' first
-    guesses: on average they deliver what a 30% first guess promises, so drafting goes on."""
-    policy = adaptive_policy(FLAT)
-    seqs = [decoding(i) for i in range(8)]
-    drafter = KnowingDrafter(dict.fromkeys(range(8), 0.3))
-    for seq in seqs:
-        seq.drafter = drafter
-    drafted = []
-    for step in range(40):
-        budgets = policy.budgets(dict.fromkeys(seqs, 1), 8, 1024)
-        nodes = sum(budgets.values())
-        for _ in range(nodes):  # one node per sequence: its guess came true every fourth step
-            policy.observe_verify(drafter, 1 if step % 4 == 0 else 0)
-        policy.observe_step(8, 8, nodes, seconds=FLAT(8))
-        drafted.append(nodes)
-    assert all(drafted)
