@@ -368,6 +368,26 @@ class KnowingDrafter(MeasuredDrafter):
         return max(self.first_token.values())
 
 
+def known_guesses(first_token: dict[int, float]) -> tuple[list[Sequence], KnowingDrafter]:
+    """Decoding sequences 0..n-1, drafted by a drafter that knows each one's first guess's worth."""
+    drafter = KnowingDrafter(first_token)
+    seqs = [decoding(i) for i in range(len(first_token))]
+    for seq in seqs:
+        seq.drafter = drafter
+    return seqs, drafter
+
+
+def policy_whose_looks_take(share: float, cost: ForwardCost) -> SpeculationPolicy:
+    """The adaptive policy on a clock by which every look takes `share` of a 64-decode step."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += share * cost(64)
+        return now[0]
+
+    return SpeculationPolicy(adaptive=True, forward_cost=cost, clock=clock)
+
+
 def test_a_busy_step_verifies_just_the_guesses_its_drafter_is_confident_of():
     """64 sequences at a measured 45% acceptance each: no node pays where a node costs half a
     token's worth. Told that 8 of this step's guesses are 90% sure and the rest 40%, the policy
@@ -390,10 +410,7 @@ def test_a_busy_step_that_no_guess_could_pay_for_asks_no_sequence_what_its_guess
     """Where the drafter's surest kind of guess is worth less than a node costs, the policy
     decides from that bound alone: 64 profile look-ups a step are what a busy server can spare."""
     cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])  # beyond 64 rows, a node costs ~half a token
-    seqs = [decoding(i) for i in range(64)]
-    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.4))
-    for seq in seqs:
-        seq.drafter = drafter
+    seqs, drafter = known_guesses(dict.fromkeys(range(64), 0.4))
     policy = adaptive_policy(cost)
     assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     assert drafter.asked == 0
@@ -407,10 +424,7 @@ def test_a_plan_that_promises_next_to_nothing_is_not_worth_its_trees():
     """One sure guess among 64 decodes buys under 2% more tokens per second even at the curve's
     price: within what the fit cannot tell, so the step runs plain."""
     cost = ForwardCost([1, 64, 128], [0.05, 0.06, 0.064])  # nodes nearly free
-    seqs = [decoding(i) for i in range(64)]
-    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.0) | {0: 0.95})
-    for seq in seqs:
-        seq.drafter = drafter
+    seqs, drafter = known_guesses(dict.fromkeys(range(64), 0.0) | {0: 0.95})
     policy = adaptive_policy(cost)
     assert set(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == {0}
     drafter.first_token |= dict.fromkeys(range(8), 0.95)  # eight of them: 12% more tokens
@@ -421,17 +435,8 @@ def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_ofte
     """Looking at 64 guesses took 1% of a step and found nothing that pays: the next five looks
     are skipped (looking costs 0.2% of the steps on average), then the policy looks again."""
     cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])
-    now = [0.0]
-
-    def clock() -> float:  # every look takes 1% of a 64-decode step
-        now[0] += 0.01 * cost(64)
-        return now[0]
-
-    policy = SpeculationPolicy(adaptive=True, forward_cost=cost, clock=clock)
-    seqs = [decoding(i) for i in range(64)]
-    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.4) | {0: 0.95})  # one guess may pay, alone not enough
-    for seq in seqs:
-        seq.drafter = drafter
+    policy = policy_whose_looks_take(0.01, cost)
+    seqs, drafter = known_guesses(dict.fromkeys(range(64), 0.4) | {0: 0.95})  # one guess may pay, alone not enough
     for _ in range(7):
         assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     assert drafter.asked == 2 * 64  # looked at the first step and the seventh
@@ -443,16 +448,7 @@ def test_a_plan_pays_for_the_look_that_found_it():
     take 15% of a step, which a plan found makes the policy pay again at the next step, they are
     not worth it."""
     cost = ForwardCost([1, 64, 128], [0.05, 0.06, 0.064])
-    now = [0.0]
-
-    def clock() -> float:  # each look takes 15% of a 64-decode step
-        now[0] += 0.15 * cost(64)
-        return now[0]
-
-    policy = SpeculationPolicy(adaptive=True, forward_cost=cost, clock=clock)
-    seqs = [decoding(i) for i in range(64)]
-    drafter = KnowingDrafter(dict.fromkeys(range(64), 0.0) | dict.fromkeys(range(8), 0.95))
-    for seq in seqs:
-        seq.drafter = drafter
+    policy = policy_whose_looks_take(0.15, cost)
+    seqs, _ = known_guesses(dict.fromkeys(range(64), 0.0) | dict.fromkeys(range(8), 0.95))
     assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
     assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 0
