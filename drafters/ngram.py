@@ -51,12 +51,14 @@ class _Index:
     """A sequence's tokens as bytes, for n-gram search, and its guesses."""
 
     text: bytearray = field(default_factory=bytearray)  # the first `indexed` tokens, TOKEN_BYTES each
-    indexed: int = 0
     guesses: list[_Guess] = field(default_factory=list)  # not yet resolved, oldest first
+
+    @property
+    def indexed(self) -> int:
+        return len(self.text) // TOKEN_BYTES
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.text += array(TOKEN_TYPECODE, tokens[self.indexed :]).tobytes()
-        self.indexed = len(tokens)
 
     def occurrences(self, n: int) -> Iterator[int]:
         """Where earlier occurrences of the last n tokens were followed, most recent first (the
