@@ -4,9 +4,16 @@ Speculation trades forward size for tokens: a verification tree adds rows to the
 forward, and whether that pays depends on how the forward's time grows with its rows, which
 differs by model, dtype and machine (on a 2-core CPU, 32 rows of SmolLM2 in bf16 cost about
 one decode step; on a big batch each extra row costs real time). So the engine times a
-forward of N tokens (after a 128-token context) for N = 1, 2, 4, ... up to its token budget
-at start-up, caches the table under the user cache dir, and interpolates between sizes.
-(While serving, the speculation policy corrects the curve with measured steps.)
+forward of N tokens (after a 128-token context) at start-up, caches the table under the user
+cache dir, and interpolates between sizes. (While serving, the speculation policy corrects the
+curve with measured steps.)
+
+The sizes are dense (every DENSE_STEP tokens) where a busy batch's decodes and their trees sit:
+a CPU's matmuls do not grow smoothly with their rows but in steps (oneDNN's register blocking: on
+a 2-core AVX-512 machine, 32 to 40 rows of SmolLM2 cost 0.2 ms per row per step, 40 to 44 rows 1.3
+ms per row, 44 to 48 nothing), so a handful of nodes on top of 32 decodes may cost a fifth of a
+token each, and a few more, a whole token each. Doubling sizes (32, 64) would price every node at
+the average and miss both.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.tree import TokenTree
 
 CALIBRATION_CONTEXT = 128
-REPEATS = 3
-SLOPE_SPAN = 16  # tokens over which a curve's local slope is taken
+REPEATS = 3  # timed passes over all sizes (after one warm-up pass); the median per size
+DENSE_STEP = 4  # calibration sizes every this many tokens up to DENSE_UNTIL, then doubling
+DENSE_UNTIL = 128
 REFIT_SECONDS = 1.0  # measured step time after which the fit is redone (see `StepCost.add`)
 EAGER_FITS = 2  # a window's first EAGER_FITS x min_samples samples are each fitted at once
 
@@ -63,7 +71,7 @@ class StepFit:
     chunk_overhead: float = 0.0  # seconds a step with prompt chunks pays beyond their rows
     per_key: float = 0.0  # seconds per key position the decodes' padded attention reads
     tree_overhead: float = 0.0  # seconds a step pays for having trees at all
-    per_node: float | None = None  # seconds per drafted node (None: not measured yet)
+    per_node: float = 0.0  # seconds per drafted node beyond its rows on the curve (its logits, verifying it)
 
     def plain(self, rows: np.ndarray | float, chunked: np.ndarray | bool, keys: np.ndarray | int) -> np.ndarray | float:
         """Seconds of a step without trees whose rows cost `rows` on the calibrated curve."""
@@ -74,7 +82,8 @@ class StepCost:
     """What a step of one batch size costs, fitted to recent measured steps:
 
         seconds = fixed + per_key * keys + scale * T(base_tokens) + chunk_overhead * [prompt chunks]
-                  + tree_overhead * [nodes > 0] + node_price * nodes.
+                  + tree_overhead * [nodes > 0] + scale * (T(base_tokens + nodes) - T(base_tokens))
+                  + per_node * nodes.
 
     The calibrated curve T times one sequence's forward by its rows: the matmuls, which every row
     of a batch pays alike. A batch of many decodes also pays per sequence (each one's attention
@@ -96,13 +105,16 @@ class StepCost:
     last dozens were (trees drafted just when plain steps got cheaper again, wrongly priced).
     Where the window's steps differ in keys, `per_key` prices them (Theil-Sen).
 
-    Trees then add what the plain steps cannot see: an attention call of their own, their
-    nodes' logits and verification. Their samples' residuals over the plain fit give a price per
-    node (Theil-Sen over tree sizes) and, above it, the overhead of having trees at all, so that
-    one small tree is known to be dear while many nodes at once may still pay; with too few tree
-    sizes to tell them apart the nodes carry it all. A warm-up outlier or a noisy neighbour's
-    slow step moves none of the medians. A node never costs less than the curve's slope
-    (scaled): a row costs at least what it does in a chain.
+    A drafted node is a row: it costs what the curve says the step's next rows cost (scaled),
+    which is where the matmuls' steps are (see the module's docstring): the first few nodes on
+    top of a batch may be nearly free and the next few dear. Trees then add what the plain steps
+    cannot see: an attention call of their own, their nodes' logits and verification. Their
+    samples' residuals over the plain fit and their rows give a price per node beyond its row
+    (Theil-Sen over tree sizes, never below zero: a row costs at least what it does in a chain)
+    and, above it, the overhead of having trees at all, so that one small tree is known to be
+    dear while many nodes at once may still pay; with too few tree sizes to tell them apart the
+    nodes carry it all. A warm-up outlier or a noisy neighbour's slow step moves none of the
+    medians.
     """
 
     def __init__(self, curve: ForwardCost, window: int = 32, min_samples: int = 3, tree_memory: int = 500):
@@ -124,6 +136,7 @@ class StepCost:
         self._steps = 0
         self._fitted: StepFit | None = None
         self._since_fit = 0.0  # seconds of the steps added since
+        self._node_bounds: dict[int, float] = {}  # node_seconds by base_tokens, for the current fit
 
     def add(self, base_tokens: int, nodes: int, seconds: float, chunked: bool = False, keys: int = 0) -> None:
         """A measured step: `base_tokens` of decodes and prompt chunks (`chunked`: some of them
@@ -157,20 +170,29 @@ class StepCost:
         """Predicted time of a step with `base_tokens` (`chunked`: some of them prompt tokens),
         `keys` (see `add`) and `nodes` drafted nodes."""
         fit = self.fit()
-        plain = fit.plain(self.curve(base_tokens), chunked, keys)
-        return plain + fit.tree_overhead * (nodes > 0) + self.node_seconds(base_tokens) * nodes
+        rows = self.curve(base_tokens)
+        plain = fit.plain(rows, chunked, keys)
+        node_rows = (self.curve.many(base_tokens + np.asarray(nodes)) if isinstance(nodes, np.ndarray)
+                     else self.curve(base_tokens + nodes)) - rows
+        return plain + fit.tree_overhead * (nodes > 0) + fit.scale * node_rows + fit.per_node * nodes
 
     def node_seconds(self, base_tokens: int) -> float:
-        """The price of one drafted node in a step with `base_tokens` (beyond the tree overhead)."""
+        """The least a drafted node costs in a step with `base_tokens` (beyond the tree overhead):
+        the cheapest average over the first 1 .. DENSE_UNTIL nodes, so that no plan of nodes
+        priced at least this is missed by a step deciding from it that none pays."""
         fit = self.fit()
-        floor = fit.scale * self.curve.slope(base_tokens)
-        return floor if fit.per_node is None else max(fit.per_node, floor)
+        if base_tokens not in self._node_bounds:
+            counts = np.arange(1, DENSE_UNTIL + 1)
+            rows = (self.curve.many(base_tokens + counts) - self.curve(base_tokens)) / counts
+            self._node_bounds[base_tokens] = fit.scale * float(rows.min()) + fit.per_node
+        return self._node_bounds[base_tokens]
 
     def fit(self) -> StepFit:
         """The fit of the recent steps: the curve as it is before `min_samples` steps; no price
-        per node before `min_samples` plain steps and as many with trees."""
+        per node beyond its rows before `min_samples` plain steps and as many with trees."""
         if self._fitted is None:
             self._fitted = self._fit()
+            self._node_bounds.clear()
             self._since_fit = 0.0
         return self._fitted
 
@@ -183,13 +205,12 @@ class StepCost:
         plain_fit = self._fit_plain(rows, seconds, chunked > 0, keys)
         if len(self._trees) < self.min_samples:
             return plain_fit
-        bases, rows, nodes, seconds, _, chunked, keys = np.asarray(self._trees).T
-        residual = seconds - plain_fit.plain(rows, chunked, keys)
-        floors = plain_fit.scale * np.array([self.curve.slope(int(base)) for base in bases])
+        _, rows, nodes, seconds, with_nodes, chunked, keys = np.asarray(self._trees).T
+        residual = seconds - plain_fit.plain(rows, chunked, keys) - plain_fit.scale * (with_nodes - rows)
         if not _spread(nodes):
-            return replace(plain_fit, per_node=float(np.median(residual / nodes)))
-        per_node = _median_slope(residual, nodes)
-        overhead = float(np.median(residual - np.maximum(per_node, floors) * nodes))
+            return replace(plain_fit, per_node=max(0.0, float(np.median(residual / nodes))))
+        per_node = max(0.0, _median_slope(residual, nodes))
+        overhead = float(np.median(residual - per_node * nodes))
         return replace(plain_fit, tree_overhead=max(0.0, overhead), per_node=per_node)
 
     def _fit_plain(self, rows: np.ndarray, seconds: np.ndarray, chunked: np.ndarray, keys: np.ndarray) -> StepFit:
@@ -213,14 +234,14 @@ class StepCost:
 
     def _fit_mostly_trees(self) -> StepFit:
         """A speculating engine may run few plain steps (at batch 1, nearly every step has a
-        tree): then every step is measured against the curve, seconds / T(base_tokens) =
-        scale + per_node * nodes / T(base_tokens), and where no two differ in nodes the curve
-        prices them (the scale from seconds / T(base_tokens + nodes))."""
-        _, rows, nodes, seconds, with_nodes, _, _ = np.asarray([*self._plain, *self._trees]).T
-        if not _spread(nodes / rows):
+        tree): then every step is measured against the curve with its nodes' rows,
+        seconds / T(base_tokens + nodes) = scale + per_node * nodes / T(base_tokens + nodes), and
+        where no two differ in nodes the curve prices them (per_node 0)."""
+        _, _, nodes, seconds, with_nodes, _, _ = np.asarray([*self._plain, *self._trees]).T
+        if not _spread(nodes / with_nodes):
             return StepFit(scale=float(np.median(seconds / with_nodes)))
-        per_node = _median_slope(seconds / rows, nodes / rows)
-        return StepFit(scale=float(np.median((seconds - per_node * nodes) / rows)), per_node=per_node)
+        per_node = max(0.0, _median_slope(seconds / with_nodes, nodes / with_nodes))
+        return StepFit(scale=float(np.median((seconds - per_node * nodes) / with_nodes)), per_node=per_node)
 
 
 def decode_keys(lengths: list[int]) -> int:
@@ -263,10 +284,12 @@ class ForwardCost:
 
     def __post_init__(self) -> None:
         self._sizes = [float(n) for n in self.sizes]
-        # Non-decreasing: a forward of more tokens never costs less. Timing noise at the small
-        # sizes (where rows are nearly free) can say otherwise, and a curve with T(2) < T(1)
-        # would have the policy draft a node to save time.
-        self._seconds = np.maximum.accumulate(np.asarray(self.seconds, np.float64)).tolist()
+        # Non-decreasing: a forward of more tokens never costs less. Timing noise where rows are
+        # nearly free can say otherwise, and a curve with T(2) < T(1) would have the policy draft
+        # a node to save time. The least-squares non-decreasing curve (not the running maximum,
+        # which would carry one slow measurement's price over every size after it).
+        self._seconds = _non_decreasing(self.seconds)
+        self._array = (np.asarray(self._sizes), np.asarray(self._seconds))
 
     def __call__(self, num_tokens: int) -> float:
         """Seconds for a forward of `num_tokens` (beyond the ends: the end segments extended). In
@@ -279,44 +302,69 @@ class ForwardCost:
         n0, n1, t0, t1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
         return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)
 
-    def slope(self, num_tokens: int) -> float:
-        """Seconds per extra token of a forward of `num_tokens` (over the next `SLOPE_SPAN`)."""
-        return (self(num_tokens + SLOPE_SPAN) - self(num_tokens)) / SLOPE_SPAN
+    def many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`self(n)` for every n of an array at once (the policy prices every plan size together)."""
+        sizes, seconds = self._array
+        n = np.maximum(np.asarray(num_tokens, np.float64), 1.0)
+        if len(sizes) == 1:
+            return seconds[0] * n / sizes[0]
+        out = np.interp(n, sizes, seconds)
+        for beyond, (i, j) in ((n < sizes[0], (0, 1)), (n > sizes[-1], (-2, -1))):  # the end segments extended
+            if beyond.any():
+                slope = (seconds[j] - seconds[i]) / (sizes[j] - sizes[i])
+                out[beyond] = seconds[i] + slope * (n[beyond] - sizes[i])
+        return np.maximum(out, 1e-6)
 
     def to_json(self) -> dict:
         return {"sizes": self.sizes, "seconds": self.seconds}
 
 
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit (pool adjacent violators): each run that falls is
+    replaced by its mean."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
 def calibration_sizes(max_tokens: int) -> list[int]:
-    sizes, n = [], 1
+    """1, 2, 4, then every DENSE_STEP up to DENSE_UNTIL, then doubling, and `max_tokens`."""
+    dense = range(2 * DENSE_STEP, DENSE_UNTIL + 1, DENSE_STEP)
+    sizes, n = sorted({1, 2, DENSE_STEP, *dense}), DENSE_UNTIL * 2
     while n < max_tokens:
         sizes.append(n)
         n *= 2
-    return [*sizes, max_tokens]
+    return [*(size for size in sizes if size < max_tokens), max_tokens]
 
 
 def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress: bool = False) -> ForwardCost:
-    """Time forwards of 1, 2, 4, ... `max_tokens` new tokens after a short context (median of
-    `REPEATS` after a warm-up), in scratch blocks given back afterwards."""
+    """Time forwards of `calibration_sizes(max_tokens)` new tokens after a short context, in
+    scratch blocks given back afterwards: a warm-up pass over every size, then `REPEATS` timed
+    passes (the median per size). Passes, not one size after another: a machine that slows
+    for a few seconds then slows one pass, not a few neighbouring sizes, which would put a false
+    step into the curve."""
     sizes = calibration_sizes(max_tokens)
     capacity = blocks.num_free_blocks * blocks.block_size
     context = min(CALIBRATION_CONTEXT, max(0, capacity - sizes[-1]))
     sizes = [n for n in sizes if context + n <= capacity] or [1]
     table = BlockTable()
     blocks.ensure_slots(table, context + sizes[-1])
-    seconds = []
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     try:
-        for n in _progress(sizes, progress):
-            tree = TokenTree.chain([0] * n)
-            times = []
-            for _ in range(REPEATS + 1):
-                start = time.perf_counter()
-                runner.forward([TreeRequest(tree, context, table.block_ids, "last")])
-                times.append(time.perf_counter() - start)
-            seconds.append(statistics.median(times[1:]))
+        for step in _progress(range((REPEATS + 1) * len(sizes)), progress):
+            n = sizes[step % len(sizes)]
+            request = TreeRequest(TokenTree.chain([0] * n), context, table.block_ids, "last")
+            start = time.perf_counter()
+            runner.forward([request])
+            if step >= len(sizes):  # the first pass warms up
+                times[n].append(time.perf_counter() - start)
     finally:
         blocks.free(table)
-    return ForwardCost(sizes, seconds)
+    return ForwardCost(sizes, [statistics.median(times[n]) for n in sizes])
 
 
 def load_or_measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, model_path: Path,
@@ -346,15 +394,15 @@ def _cache_file(runner: ModelRunner, model_path: Path, max_tokens: int, cache: P
         "weights": [(w.name, w.stat().st_size, int(w.stat().st_mtime)) for w in weights],
         "dtype": str(runner.model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
-        "block_size": runner.block_size, "max_tokens": max_tokens,
+        "block_size": runner.block_size, "max_tokens": max_tokens, "sizes": calibration_sizes(max_tokens),
     }, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return (cache or cache_dir()) / "costs" / f"{Path(model_path).name}-{digest}.json"
 
 
-def _progress(sizes: list[int], show: bool):
+def _progress(steps: range, show: bool):
     if not show:
-        return sizes
+        return steps
     from tqdm import tqdm
 
-    return tqdm(sizes, desc="calibrating forward cost", unit="size", leave=False)
+    return tqdm(steps, desc="calibrating forward cost", unit="forward", leave=False)

@@ -155,7 +155,8 @@ def test_step_cost_fits_scale_and_price_per_node_through_outliers():
         slow = 5.0 if i in (3, 11) else 1.0  # a noisy neighbour, twice
         cost.add(8, nodes, slow * (0.8 * plain + 0.002 * nodes))
     fit = cost.fit()
-    assert (fit.fixed, fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.0, 0.8, 0.0, 0.002))
+    row = FLAT(9) - FLAT(8)  # what the curve says a row costs; a node pays the rest of its 2 ms on top
+    assert (fit.fixed, fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.0, 0.8, 0.0, 0.002 - 0.8 * row))
     assert cost.seconds(8, np.array([0, 10])) == pytest.approx([0.8 * plain, 0.8 * plain + 0.02])
 
 
@@ -182,7 +183,7 @@ def test_trees_found_dear_are_measured_again_after_a_while():
     assert cost.seconds(64, 2) == pytest.approx(dear)  # still remembered
     for _ in range(10):
         cost.add(64, 0, FLAT(64))
-    assert cost.seconds(64, 2) == pytest.approx(FLAT(64) + 2 * FLAT.slope(64))  # forgotten: the curve's price
+    assert cost.seconds(64, 2) == pytest.approx(FLAT(66))  # forgotten: the curve's price
 
 
 def test_step_cost_tells_what_having_trees_costs_from_what_each_node_costs():
@@ -190,7 +191,9 @@ def test_step_cost_tells_what_having_trees_costs_from_what_each_node_costs():
     for nodes in (0, 2, 0, 8, 0, 16, 0, 4):
         cost.add(64, nodes, FLAT(64) * (1.0 + (0.05 if nodes else 0.0)) + 0.001 * nodes)
     fit = cost.fit()
-    assert (fit.fixed, fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.0, 1.0, 0.05 * FLAT(64), 0.001))
+    beyond_row = 0.001 - (FLAT(65) - FLAT(64))  # a node's millisecond, less its row on the curve
+    assert (fit.fixed, fit.scale, fit.tree_overhead, fit.per_node) == pytest.approx((0.0, 1.0, 0.05 * FLAT(64),
+                                                                                     beyond_row))
     assert cost.seconds(64, np.array([0, 1, 10])) == pytest.approx(FLAT(64) * np.array([1.0, 1.05, 1.05])
                                                                    + [0.0, 0.001, 0.01])
 
@@ -222,7 +225,7 @@ def test_a_busy_batchs_own_attention_is_not_charged_to_each_drafted_node():
         cost.add(64, 0, 2.7 * BATCH(64))
     fit = cost.fit()
     assert (fit.fixed, fit.scale) == pytest.approx((1.7 * BATCH(64), 1.0))
-    assert cost.node_seconds(64) == pytest.approx(BATCH.slope(64))
+    assert cost.node_seconds(64) == pytest.approx(BATCH(65) - BATCH(64))
 
 
 def test_prompt_chunks_tell_a_rows_price_from_the_batchs_fixed_cost():
@@ -231,7 +234,7 @@ def test_prompt_chunks_tell_a_rows_price_from_the_batchs_fixed_cost():
         cost.add(64 + chunk, 0, 0.070 + 0.8 * BATCH(64 + chunk))
     fit = cost.fit()
     assert (fit.fixed, fit.scale) == pytest.approx((0.070, 0.8))
-    assert cost.node_seconds(64) == pytest.approx(0.8 * BATCH.slope(64))
+    assert cost.node_seconds(64) == pytest.approx(0.8 * (BATCH(65) - BATCH(64)))
 
 
 def test_steps_that_prefilled_do_not_make_decode_steps_look_dear():
@@ -302,11 +305,13 @@ def test_past_its_first_samples_a_window_is_refitted_after_a_second_of_steps_not
     assert cost.fit() is not fitted  # a second of steps since
 
 
-def test_a_node_never_costs_less_than_the_curves_slope():
+def test_a_node_never_costs_less_than_its_rows_on_the_curve():
     cost = StepCost(STEEP)
     for nodes in (0, 4, 8, 16):
         cost.add(1, nodes, STEEP(1))  # nodes measured free: noise, or a lucky machine
-    assert cost.seconds(1, 8) == pytest.approx(STEEP(9))
+    fit = cost.fit()
+    assert fit.per_node == 0.0  # not below
+    assert cost.seconds(1, 8) - cost.seconds(1, 0) == pytest.approx(fit.scale * (STEEP(9) - STEEP(1)))
 
 
 def test_recent_median_waits_for_samples_and_ignores_outliers():
@@ -340,14 +345,22 @@ def test_forward_cost_interpolates_between_measured_sizes():
     cost = ForwardCost([1, 8, 32], [0.01, 0.02, 0.05])
     assert cost(1) == pytest.approx(0.01) and cost(8) == pytest.approx(0.02)
     assert cost(20) == pytest.approx(0.035) and cost(64) == pytest.approx(0.09)  # the last segment extended
-    assert calibration_sizes(512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    assert calibration_sizes(100)[-1] == 100
+    sizes = np.array([0, 1, 5, 8, 20, 32, 64, 100])
+    assert cost.many(sizes) == pytest.approx([cost(int(n)) for n in sizes])
+
+
+def test_calibration_is_dense_where_a_busy_batch_and_its_trees_sit():
+    """Matmuls grow in steps with their rows: every 4 rows up to 128 are measured."""
+    assert calibration_sizes(512) == [1, 2, *range(4, 129, 4), 256, 512]
+    assert calibration_sizes(100) == [1, 2, *range(4, 100, 4), 100]
 
 
 def test_forward_cost_never_falls_with_more_tokens():
-    """Timing noise made 2 tokens look cheaper than 1: the curve keeps the dearer of the two."""
+    """Timing noise made 2 tokens look cheaper than 1: the curve takes their mean for both (the
+    least-squares non-decreasing curve), and the sizes after them keep their own."""
     cost = ForwardCost([1, 2, 4, 8], [0.063, 0.055, 0.065, 0.069])
-    assert cost(2) == pytest.approx(0.063) and cost(1) == pytest.approx(0.063)
+    assert cost(2) == pytest.approx(0.059) and cost(1) == pytest.approx(0.059)
+    assert cost(4) == pytest.approx(0.065) and cost(8) == pytest.approx(0.069)
     sizes = np.arange(1, 64)
     assert np.all(np.diff([cost(int(n)) for n in sizes]) >= 0)
 
@@ -452,3 +465,19 @@ def test_a_plan_pays_for_the_look_that_found_it():
     seqs, _ = known_guesses(dict.fromkeys(range(64), 0.0) | dict.fromkeys(range(8), 0.95))
     assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
     assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 0
+
+
+def test_nodes_are_priced_by_the_rows_they_add_where_the_matmuls_grow_in_steps():
+    """32 decodes on a CPU whose matmuls grow in steps (as measured for SmolLM2 in bf16 on 2
+    cores): rows 33-40 cost 0.1 ms each, rows 41-44 1 ms each, rows 45-48 0.25 ms. Sixteen
+    sequences each have a 60% guess (worth 0.6 of a token, 0.6 ms): the first eight nodes pay,
+    the next ones cost more than they bring, even taken eight at a time, so the policy stops at
+    eight. (A price per node averaged over 32 to 64 rows, 0.25 ms, would take all sixteen.)"""
+    curve = ForwardCost([1, 32, 40, 44, 48, 64], [0.015, 0.032, 0.0328, 0.0368, 0.0378, 0.040])
+    step = StepCost(curve)
+    assert step.seconds(32, 8) - step.seconds(32, 0) == pytest.approx(0.0008)
+    assert step.seconds(32, 12) - step.seconds(32, 8) == pytest.approx(0.004)
+    assert step.node_seconds(32) == pytest.approx(0.0001)  # the cheapest a node gets
+    seqs, _ = known_guesses(dict.fromkeys(range(16), 0.6) | dict.fromkeys(range(16, 32), 0.0))
+    policy = adaptive_policy(curve)
+    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 32, 1024).values()) == 8
