@@ -16,7 +16,9 @@ maximise the step's expected emitted tokens per second:
   prompt chunks), scaled, a price for having trees at all, and a price per drafted node: a
   batch with trees loses the decode-only fast paths and pays for verification, which the
   single-chain calibration cannot see, so at high load one lone guess does not pay for the
-  attention call its tree brings, while the sure guesses of many sequences may;
+  attention call its tree brings, while the sure guesses of many sequences may. Less the
+  step's prompt chunks (their rows and their own attention): a chunk is prefilled whatever is
+  drafted, and an emitted token is worth the decode time it saves, not a share of a prefill;
 * D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
   (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup);
 * L: the look at every sequence's guess that found the plan (the last look's time at this batch
@@ -142,8 +144,14 @@ class SpeculationPolicy:
             return budgets
         step_cost = self._step_cost(num_seqs)
         # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
-        step_seconds = partial(step_cost.seconds, base_tokens, chunked=base_tokens > num_seqs, keys=keys)
-        plain_rate = num_seqs / step_seconds(0)  # each emits >= 1 token
+        chunked = base_tokens > num_seqs
+        step_seconds = partial(step_cost.seconds, base_tokens, chunked=chunked, keys=keys)
+        plain_seconds = step_seconds(0)
+        # Rates are of the step without its prompt chunks (see the module's docstring): counting
+        # a chunk's prefill made a token in a prefilling step look worth twice the decode time it
+        # saves at 32 clients, and the trees bought there cost what they brought.
+        prompt_seconds = max(0.0, plain_seconds - step_cost.seconds(num_seqs, 0, keys=keys)) if chunked else 0.0
+        plain_rate = num_seqs / (plain_seconds - prompt_seconds)  # each emits >= 1 token
         self.token_seconds = 1.0 / plain_rate
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
@@ -157,12 +165,12 @@ class SpeculationPolicy:
         if bound is not None and bound * self.token_seconds <= node_seconds:
             return budgets
         start = self._clock()
-        plan = self._best_plan(seqs, caps, max_total, num_seqs, step_seconds, node_seconds, plain_rate,
-                               self._look_seconds.get(bucket, 0.0))
+        plan = self._best_plan(seqs, caps, max_total, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
+                               node_seconds, plain_rate, self._look_seconds.get(bucket, 0.0))
         spent = self._clock() - start
         self._look_seconds[bucket] = spent
         if plan is None:  # looked for nothing: skip the next looks while looking costs too much
-            self._skips[bucket] = int(spent * plain_rate / (self.deciding_share * num_seqs))
+            self._skips[bucket] = int(spent / (self.deciding_share * plain_seconds))
             return budgets
         rows, rate = plan
         self.token_seconds = 1.0 / rate

@@ -481,3 +481,19 @@ def test_nodes_are_priced_by_the_rows_they_add_where_the_matmuls_grow_in_steps()
     seqs, _ = known_guesses(dict.fromkeys(range(16), 0.6) | dict.fromkeys(range(16, 32), 0.0))
     policy = adaptive_policy(curve)
     assert sum(policy.budgets(dict.fromkeys(seqs, 1), 32, 1024).values()) == 8
+
+
+def test_a_token_is_worth_the_decode_time_it_saves_not_a_share_of_a_prefill():
+    """32 decodes take 50 ms (1.6 ms a token); a step that also prefills a 200-token prompt
+    chunk takes 100 ms. Guesses worth 0.6 of a token (1 ms) do not pay for nodes at 1.25 ms
+    each, prompt chunk or not: the chunk is prefilled whatever is drafted, so the tokens of a
+    prefilling step are worth no more (valued at 100 ms / 32, they would have looked worth 1.9 ms)."""
+    curve = ForwardCost([1, 32, 64, 232, 264], [0.015, 0.030, 0.070, 0.080, 0.120])  # 1.25 ms a row past 32 and 232
+    policy = adaptive_policy(curve)
+    for _ in range(4):
+        policy.observe_step(32, 32, 0, 0.050)
+        policy.observe_step(32, 232, 0, 0.100)
+    seqs, _ = known_guesses(dict.fromkeys(range(32), 0.6))
+    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 32, 1024).values()) == 0
+    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 232, 1024, num_seqs=32).values()) == 0
+    assert policy.token_seconds == pytest.approx(0.050 / 32)
