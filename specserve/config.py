@@ -9,6 +9,10 @@ from pathlib import Path
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 SPECULATION_MODES = ("adaptive", "fixed", "off")
 DRAFT_QUANTIZATIONS = ("int8",)
+# The server's limits (`specserve serve`): larger request bodies get 413; more requests in the
+# engine (running or waiting) get 503.
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_QUEUED_REQUESTS = 256
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

@@ -1,0 +1,429 @@
+"""`specserve serve`: the OpenAI-compatible HTTP server on the async engine.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming as server-sent
+events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`. Errors have OpenAI's body
+(`{"error": {"message", "type", "param", "code"}}`) and say what to change. A client that goes
+away, streaming or not, aborts its requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specserve.async_engine import AsyncEngine, EngineDeadError
+from specserve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.protocol import (
+    DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    usage,
+)
+from specserve.sampling import SamplingParams
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS  # requests in the engine (running or waiting) at most
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.kind, self.param, self.code)
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> ASGIApp:
+    """The app, behind the API-key and body-size guard."""
+    app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+    api = _Handlers(engine, settings)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
+        return error_response(400, f"{where or 'body'}: {first.get('msg')} (got {first.get('input')!r})",
+                              param=where or None)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.error is not None:
+            return error_response(503, f"the engine stopped: {engine.error!r}", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": settings.model_name, "object": "model", "created": now(), "owned_by": "specserve",
+            "max_model_len": engine.engine.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await api.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await api.chat(body, request)
+
+    return _Guard(app, settings)
+
+
+class _Handlers:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.decode_token: Callable[[int], str] = lambda t: engine.engine.tokenizer.decode([t])
+
+    # -- completions ------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        try:
+            raw = body.prompts()
+            prompts = [self.engine.engine.encode(p) if isinstance(p, str) else list(p) for p in raw]
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt") from error
+        max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
+        params = self._params(lambda: body.sampling_params(max_tokens, body.logprobs))
+        for ids in prompts:
+            self._check_request(ids, params)
+        echoed = [(p if isinstance(p, str) else self.engine.engine.tokenizer.decode(ids)) if body.echo else ""
+                  for p, ids in zip(raw, prompts, strict=True)]
+        rid, created, model = new_id("cmpl"), now(), body.model
+        outputs = await self._started(request, prompts, params)
+        prompt_tokens = sum(len(ids) for ids in prompts)
+
+        def choice(i: int, out: RequestOutput, sample: int, text: str, start: int, offset: int,
+                   finish: str | None) -> dict:
+            entries = out.outputs[sample].logprobs
+            logprobs = None if entries is None else completion_logprobs(entries[start:], self.decode_token, offset)
+            return {"index": i * body.n + sample, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                sent = _Sent()
+                finals: dict[int, RequestOutput] = {}
+                for i, text in enumerate(echoed):
+                    for sample in range(body.n if text else 0):
+                        yield _sse(_chunk(rid, "text_completion", created, model, [
+                            {"index": i * body.n + sample, "text": text, "logprobs": None, "finish_reason": None}]))
+                async for i, out in outputs:
+                    choices = [choice(i, out, c.index, c.delta_text, start, 0, c.finish_reason if c.finished else None)
+                               for c, start in sent.news(i, out)]
+                    if out.finished:
+                        finals[i] = out
+                    if choices:
+                        yield _sse(_chunk(rid, "text_completion", created, model, choices))
+                if body.include_usage:
+                    yield _sse({**_chunk(rid, "text_completion", created, model, []),
+                                "usage": usage(prompt_tokens, list(finals.values()))})
+                yield "data: [DONE]\n\n"
+
+            return _event_stream(events())
+
+        finals = await _until_disconnected(request, _finals(outputs, len(prompts)))
+        choices = sorted((choice(i, out, c.index, echoed[i] + c.text, 0, len(echoed[i]), c.finish_reason)
+                          for i, out in enumerate(finals) for c in out.outputs), key=lambda c: c["index"])
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "usage": usage(prompt_tokens, finals)})
+
+    # -- chat -------------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        try:
+            ids = self.engine.engine.encode_chat(body.conversation())
+            logprobs = body.wanted_logprobs()
+        except ValueError as error:
+            raise APIError(400, str(error), param="messages") from error
+        asked = body.max_completion_tokens or body.max_tokens
+        # Without a limit, a reply may take whatever the context leaves (as OpenAI's does).
+        max_tokens = asked or max(1, self.engine.engine.max_model_len - len(ids))
+        params = self._params(lambda: body.sampling_params(max_tokens, logprobs))
+        self._check_request(ids, params)
+        rid, created, model = new_id("chatcmpl"), now(), body.model
+        outputs = await self._started(request, [ids], params)
+        top = body.top_logprobs or 0
+
+        def logprobs_of(out: RequestOutput, sample: int, start: int) -> dict | None:
+            entries = out.outputs[sample].logprobs
+            return None if entries is None else chat_logprobs(entries[start:], self.decode_token, top)
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                for sample in range(body.n):  # the role first, as OpenAI's streams do
+                    yield _sse(_chunk(rid, "chat.completion.chunk", created, model, [
+                        {"index": sample, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]))
+                sent, final = _Sent(), None
+                async for _, out in outputs:
+                    choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                "logprobs": logprobs_of(out, c.index, start),
+                                "finish_reason": c.finish_reason if c.finished else None}
+                               for c, start in sent.news(0, out)]
+                    final = out if out.finished else final
+                    if choices:
+                        yield _sse(_chunk(rid, "chat.completion.chunk", created, model, choices))
+                if body.include_usage:
+                    yield _sse({**_chunk(rid, "chat.completion.chunk", created, model, []),
+                                "usage": usage(len(ids), [final] if final else [])})
+                yield "data: [DONE]\n\n"
+
+            return _event_stream(events())
+
+        (out,) = await _until_disconnected(request, _finals(outputs, 1))
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs_of(out, c.index, 0), "finish_reason": c.finish_reason}
+                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": choices, "usage": usage(len(ids), [out])})
+
+    # -- shared -----------------------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise APIError(400, f"the model {model!r} is not served here: use {self.settings.model_name!r} "
+                                f"(GET /v1/models lists it)", param="model", code="model_not_found")
+
+    def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """What the engine would refuse, refused here with a 400 before any stream starts."""
+        limit = self.engine.engine.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; your prompt has "
+                                f"{len(prompt_ids)} tokens: shorten it", param="prompt",
+                           code="context_length_exceeded")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; your prompt has "
+                                f"{len(prompt_ids)} tokens and max_tokens asks for {params.max_tokens} more: "
+                                f"lower max_tokens to at most {limit - len(prompt_ids)}", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            self.engine.engine.validate(prompt_ids, params)
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt") from error
+
+    @staticmethod
+    def _params(build: Callable[[], SamplingParams]) -> SamplingParams:
+        try:
+            return build()
+        except ValueError as error:
+            raise APIError(400, str(error)) from error
+
+    async def _started(self, request: Request, prompts: list[list[int]],
+                       params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The requests' outputs, merged, once the first has arrived: whatever the engine refuses
+        when it takes a request (a drafter it cannot build) is then still a 4xx, not a broken stream."""
+        if self.engine.error is not None:
+            raise APIError(503, f"the engine stopped: {self.engine.error!r}", "server_error")
+        if self.engine.num_unfinished + len(prompts) > self.settings.max_queued_requests:
+            raise APIError(503, f"the server is full: {self.engine.num_unfinished} requests are queued or running "
+                                f"(at most {self.settings.max_queued_requests}); retry later", "server_error",
+                           code="queue_full")
+        merged = _merged([_checked(self.engine.generate(ids, params)) for ids in prompts])
+        try:
+            first = await _until_disconnected(request, anext(merged))
+        except BaseException:
+            await merged.aclose()
+            raise
+        return _prepend(first, merged)
+
+
+async def _checked(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Engine errors as API errors: bad input 400, a dead engine 503."""
+    try:
+        async for out in stream:
+            yield out
+    except EngineDeadError as error:
+        raise APIError(503, str(error), "server_error") from error
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
+    finally:
+        await stream.aclose()
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as they come: (which request, output). Leaving early
+    (a client gone) closes every stream, which aborts its request."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as error:  # noqa: BLE001 -- handed to the consumer
+            await queue.put((i, error))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _prepend(first: tuple[int, RequestOutput],
+                   rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+async def _finals(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    """Each request's finished output, in request order."""
+    finals: list[RequestOutput | None] = [None] * count
+    async for i, out in outputs:
+        finals[i] = out
+    return [out for out in finals if out is not None]
+
+
+class _Sent:
+    """What a stream has sent of each choice: its tokens so far, and whether its end went out."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[tuple[int, int], int] = {}
+        self._ended: set[tuple[int, int]] = set()
+
+    def news(self, request: int, out: RequestOutput) -> list[tuple[CompletionOutput, int]]:
+        """The choices of `out` with something new to send, each with how many tokens went before."""
+        news = []
+        for c in out.outputs:
+            key = (request, c.index)
+            start = self._tokens.get(key, 0)
+            if key in self._ended or (len(c.token_ids) == start and not c.finished):
+                continue
+            self._tokens[key] = len(c.token_ids)
+            if c.finished:
+                self._ended.add(key)
+            news.append((c, start))
+        return news
+
+
+async def _until_disconnected(request: Request, work: Awaitable[list[RequestOutput]]) -> list[RequestOutput]:
+    """`work`, unless the client goes away first: then it is cancelled (its requests aborted)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.1)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client closed the request")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _chunk(rid: str, kind: str, created: int, model: str, choices: list[dict]) -> dict:
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+
+
+class _Guard:
+    """ASGI middleware in front of the app: the bearer token (when an API key is set; /health is
+    open) and the request body size limit."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings):
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        key = self.settings.api_key
+        if key is not None and scope["path"] != "/health" and headers.get("authorization") != f"Bearer {key}":
+            response = error_response(401, "missing or wrong API key: send the header "
+                                           "'Authorization: Bearer <key>' with the server's --api-key",
+                                      "authentication_error", code="invalid_api_key")
+            return await response(scope, receive, send)
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await _too_large(limit)(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await _too_large(limit)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error_response(413, f"the request body exceeds {limit} bytes: send a smaller request "
+                               f"(or start the server with a larger --max-body-bytes)")
