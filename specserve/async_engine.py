@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specserve.engine import LLMEngine, Prompt
@@ -46,6 +46,9 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopped = False
         self.error: BaseException | None = None
+        # Called in the loop thread with every request's final output, aborted ones included
+        # (the server's metrics: a client that went away still ended a request).
+        self.on_finished: Callable[[RequestOutput], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -140,6 +143,8 @@ class AsyncEngine:
                     self._streams.pop(message[1], None)
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finished and self.on_finished is not None:
+            self.on_finished(out)
         with self._lock:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
         if stream is not None:

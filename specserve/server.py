@@ -1,7 +1,8 @@
 """`specserve serve`: the OpenAI-compatible HTTP server on the async engine.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming as server-sent
-events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`. Errors have OpenAI's body
+events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`
+(Prometheus, see `specserve.metrics`). Errors have OpenAI's body
 (`{"error": {"message", "type", "param", "code"}}`) and say what to change. A client that goes
 away, streaming or not, aborts its requests, which frees their KV blocks.
 """
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve.async_engine import AsyncEngine, EngineDeadError
 from specserve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
+from specserve.metrics import ServerMetrics
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -81,6 +83,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> ASGIApp:
             return error_response(503, f"the engine stopped: {engine.error!r}", "server_error")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(api.metrics.render(engine.engine), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
@@ -103,6 +109,8 @@ class _Handlers:
         self.engine = engine
         self.settings = settings
         self.decode_token: Callable[[int], str] = lambda t: engine.engine.tokenizer.decode([t])
+        self.metrics = ServerMetrics()
+        engine.on_finished = self.metrics.observe
 
     # -- completions ------------------------------------------------------------------------------
 
@@ -382,8 +390,8 @@ def _chunk(rid: str, kind: str, created: int, model: str, choices: list[dict]) -
 
 
 class _Guard:
-    """ASGI middleware in front of the app: the bearer token (when an API key is set; /health is
-    open) and the request body size limit."""
+    """ASGI middleware in front of the app: the bearer token on the API (when a key is set; /health
+    and /metrics stay open to probes and scrapers, as vLLM's do) and the request body size limit."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings):
         self.app = app
@@ -394,7 +402,7 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         key = self.settings.api_key
-        if key is not None and scope["path"] != "/health" and headers.get("authorization") != f"Bearer {key}":
+        if key is not None and scope["path"].startswith("/v1/") and headers.get("authorization") != f"Bearer {key}":
             response = error_response(401, "missing or wrong API key: send the header "
                                            "'Authorization: Bearer <key>' with the server's --api-key",
                                       "authentication_error", code="invalid_api_key")

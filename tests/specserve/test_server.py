@@ -187,6 +187,30 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
+def metric(server, name: str) -> float:
+    """A sample's value from /metrics (`name` with its labels, as exposed)."""
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(f"specserve:{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_requests_latencies_and_speculation_in_prometheus_format(server):
+    before = metric(server, "time_to_first_token_seconds_count")
+    ended = metric(server, 'request_success_total{finished_reason="length"}')
+    server.client().completions.create(model=MODEL, prompt="Metrics", temperature=0, max_tokens=8,
+                                       extra_body={"ignore_eos": True})
+    assert metric(server, "time_to_first_token_seconds_count") == before + 1
+    assert metric(server, 'request_success_total{finished_reason="length"}') == ended + 1
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                 "prefix_cache_hits", "generation_tokens_total", "time_per_output_token_seconds_bucket",
+                 "e2e_request_latency_seconds_sum", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                 "spec_decode_num_accepted_tokens"):
+        assert f"specserve:{name}" in text
+    assert "# TYPE specserve:time_to_first_token_seconds histogram" in text
+
+
 # -- errors, by raw HTTP ----------------------------------------------------------------------------
 
 
@@ -244,6 +268,7 @@ def test_an_api_key_is_required_when_set(server):
             server.client(api_key="no").models.list()
         assert server.client(api_key="sekrit").models.list().data[0].id == MODEL
         assert httpx.get(f"{server.url}/health").status_code == 200  # open to probes
+        assert httpx.get(f"{server.url}/metrics").status_code == 200  # and scrapers
     finally:
         server.settings.api_key = None
 
@@ -279,6 +304,7 @@ def test_twenty_streams_dropped_mid_stream_give_back_all_their_blocks(server, ab
                 if line.startswith("data: {"):
                     return  # leaving the block closes the connection mid-stream
 
+    aborts = metric(server, 'request_success_total{finished_reason="abort"}')
     threads = [threading.Thread(target=drop_after_first_chunk) for _ in range(20)]
     for t in threads:
         t.start()
@@ -287,6 +313,7 @@ def test_twenty_streams_dropped_mid_stream_give_back_all_their_blocks(server, ab
     assert wait_until(server.blocks_all_free), (server.engine.num_unfinished,
                                                 server.engine.engine.block_manager.num_free_blocks)
     assert len(aborted) == 20 and max(aborted) < 1500  # stopped by the disconnects, not by max_tokens
+    assert metric(server, 'request_success_total{finished_reason="abort"}') == aborts + 20
 
 
 def test_a_non_streaming_client_that_goes_away_aborts_its_request(server, aborted):
