@@ -91,7 +91,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
     if args.max_body_bytes < 1 or args.max_queued_requests < 1:
         raise ValueError("--max-body-bytes and --max-queued-requests must be at least 1")
-    settings = engine_settings(args)
+    settings = serve_settings(args)
     engine = AsyncEngine(LLM(**settings).engine)
     name = args.served_model_name or str(settings["target"])
     app = create_app(engine, ServerSettings(model_name=name, api_key=args.api_key,
@@ -182,16 +182,34 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"default {DEFAULT_KV_CACHE_MEMORY}")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 where the CPU supports it, else float32")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running per step at most (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per forward at most: prompt chunks, decodes and trees (default 512)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request at most (default: the model's context, capped by the pool)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="do not share cached prompt blocks between requests")
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments: the --config file's settings, then the flags given."""
     settings = load_config_file(args.config) if args.config else {}
     for name in ("target", "draft", "speculation", "max_tree_tokens", "draft_top_k", "draft_beam", "draft_vocab",
-                 "draft_quantization", "kv_cache_memory", "dtype"):
+                 "draft_quantization", "kv_cache_memory", "dtype", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     settings.setdefault("target", DEFAULT_TARGET)
+    return settings
+
+
+def serve_settings(args: argparse.Namespace) -> dict:
+    """`engine_settings`, where a known model with no drafter named serves with its own default."""
+    settings = engine_settings(args)
+    known = KNOWN_MODELS.get(str(settings["target"]))
+    if "draft" not in settings and known is not None:
+        settings["draft"] = known.default_draft
     return settings
 
 

