@@ -335,7 +335,9 @@ async def _finals(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int)
     finals: list[RequestOutput | None] = [None] * count
     async for i, out in outputs:
         finals[i] = out
-    return [out for out in finals if out is not None]
+    if None in finals or not all(out.finished for out in finals):
+        raise APIError(500, "a request ended without its final output", "server_error")
+    return finals
 
 
 class _Sent:
