@@ -138,26 +138,14 @@ class _Handlers:
             return {"index": i * body.n + sample, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                sent = _Sent()
-                finals: dict[int, RequestOutput] = {}
-                for i, text in enumerate(echoed):
-                    for sample in range(body.n if text else 0):
-                        yield _sse(_chunk(rid, "text_completion", created, model, [
-                            {"index": i * body.n + sample, "text": text, "logprobs": None, "finish_reason": None}]))
-                async for i, out in outputs:
-                    choices = [choice(i, out, c.index, c.delta_text, start, 0, c.finish_reason if c.finished else None)
-                               for c, start in sent.news(i, out)]
-                    if out.finished:
-                        finals[i] = out
-                    if choices:
-                        yield _sse(_chunk(rid, "text_completion", created, model, choices))
-                if body.include_usage:
-                    yield _sse({**_chunk(rid, "text_completion", created, model, []),
-                                "usage": usage(prompt_tokens, list(finals.values()))})
-                yield "data: [DONE]\n\n"
-
-            return _event_stream(events())
+            echoes = [{"index": i * body.n + sample, "text": text, "logprobs": None, "finish_reason": None}
+                      for i, text in enumerate(echoed) if text for sample in range(body.n)]
+            return _event_stream(_events(
+                outputs, lambda chunk_choices: _chunk(rid, "text_completion", created, model, chunk_choices),
+                [[c] for c in echoes],
+                lambda i, out, c, start: choice(i, out, c.index, c.delta_text, start, 0,
+                                                c.finish_reason if c.finished else None),
+                prompt_tokens if body.include_usage else None))
 
         finals = await _until_disconnected(request, _finals(outputs, len(prompts)))
         choices = sorted((choice(i, out, c.index, echoed[i] + c.text, 0, len(echoed[i]), c.finish_reason)
@@ -188,26 +176,15 @@ class _Handlers:
             return None if entries is None else chat_logprobs(entries[start:], self.decode_token, top)
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                for sample in range(body.n):  # the role first, as OpenAI's streams do
-                    yield _sse(_chunk(rid, "chat.completion.chunk", created, model, [
-                        {"index": sample, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]))
-                sent, final = _Sent(), None
-                async for _, out in outputs:
-                    choices = [{"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                "logprobs": logprobs_of(out, c.index, start),
-                                "finish_reason": c.finish_reason if c.finished else None}
-                               for c, start in sent.news(0, out)]
-                    final = out if out.finished else final
-                    if choices:
-                        yield _sse(_chunk(rid, "chat.completion.chunk", created, model, choices))
-                if body.include_usage:
-                    yield _sse({**_chunk(rid, "chat.completion.chunk", created, model, []),
-                                "usage": usage(len(ids), [final] if final else [])})
-                yield "data: [DONE]\n\n"
-
-            return _event_stream(events())
+            roles = [[{"index": sample, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None}] for sample in range(body.n)]  # the role first, as OpenAI's streams do
+            return _event_stream(_events(
+                outputs, lambda chunk_choices: _chunk(rid, "chat.completion.chunk", created, model, chunk_choices),
+                roles,
+                lambda _, out, c, start: {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                          "logprobs": logprobs_of(out, c.index, start),
+                                          "finish_reason": c.finish_reason if c.finished else None},
+                len(ids) if body.include_usage else None))
 
         (out,) = await _until_disconnected(request, _finals(outputs, 1))
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -376,6 +353,26 @@ async def _until_disconnected(request: Request, work: Awaitable[list[RequestOutp
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def _events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunk: Callable[[list[dict]], dict],
+                  first: list[list[dict]], choice: Callable[[int, RequestOutput, CompletionOutput, int], dict],
+                  usage_prompt_tokens: int | None) -> AsyncIterator[str]:
+    """A stream's server-sent events: `first` chunks' choices (echoed prompts, roles), then a chunk
+    per output with news (`choice` of each choice with new tokens or its end, given how many
+    tokens went before), a usage chunk when asked for (`usage_prompt_tokens`), and [DONE]."""
+    for choices in first:
+        yield _sse(chunk(choices))
+    sent, finals = _Sent(), {}
+    async for i, out in outputs:
+        choices = [choice(i, out, c, start) for c, start in sent.news(i, out)]
+        if out.finished:
+            finals[i] = out
+        if choices:
+            yield _sse(chunk(choices))
+    if usage_prompt_tokens is not None:
+        yield _sse({**chunk([]), "usage": usage(usage_prompt_tokens, list(finals.values()))})
+    yield "data: [DONE]\n\n"
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:

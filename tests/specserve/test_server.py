@@ -25,12 +25,16 @@ from specserve.server import ServerSettings, create_app
 MODEL = "tiny-chat"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(engine, settings), host="127.0.0.1",
                                                      port=self.port, log_level="warning"))
@@ -346,9 +350,7 @@ def test_specserve_serve_answers_then_exits_cleanly_on_sigterm(tiny_chat_model):
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "specserve.cli", "serve", "--target", str(tiny_chat_model), "--dtype", "float32",
          "--kv-cache-memory", "32MiB", "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning"],
