@@ -173,17 +173,21 @@ def test_echo_puts_the_prompt_before_the_completion(server):
     assert out.choices[0].text.startswith("Echo this")
 
 
-def test_the_async_client_gets_what_the_sync_client_gets(server):
-    sync = server.client().completions.create(model=MODEL, prompt="Async", **GREEDY).choices[0].text
-
+def concurrent_texts(server, prompt: str, clients: int) -> list[str]:
+    """The greedy completion of `prompt` asked by `clients` async SDK requests at once."""
     async def run() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
-        outs = await asyncio.gather(*(client.completions.create(model=MODEL, prompt="Async", **GREEDY)
-                                      for _ in range(4)))
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        outs = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+                                      for _ in range(clients)))
         await client.close()
         return [o.choices[0].text for o in outs]
 
-    assert asyncio.run(run()) == [sync] * 4
+    return asyncio.run(run())
+
+
+def test_the_async_client_gets_what_the_sync_client_gets(server):
+    sync = server.client().completions.create(model=MODEL, prompt="Async", **GREEDY).choices[0].text
+    assert concurrent_texts(server, "Async", 4) == [sync] * 4
 
 
 def test_models_and_health(server):
@@ -331,15 +335,7 @@ def test_a_non_streaming_client_that_goes_away_aborts_its_request(server, aborte
 
 def test_thirty_two_concurrent_clients_all_get_complete_answers(server):
     expected = server.client().completions.create(model=MODEL, prompt="Many", **GREEDY).choices[0].text
-
-    async def run() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        outs = await asyncio.gather(*(client.completions.create(model=MODEL, prompt="Many", **GREEDY)
-                                      for _ in range(32)))
-        await client.close()
-        return [o.choices[0].text for o in outs]
-
-    assert asyncio.run(run()) == [expected] * 32
+    assert concurrent_texts(server, "Many", 32) == [expected] * 32
 
 
 # -- the command ------------------------------------------------------------------------------------
