@@ -31,8 +31,6 @@ class DrafterOptions:
     quantization: str | None = None  # draft models: "int8" projections (see DraftModelDrafter.load)
 
 
-
-
 def build_drafter(spec: str | None, options: DrafterOptions | None = None,
                   build_part: Callable[[DrafterSpec], Drafter] | None = None) -> Drafter | None:
     """The drafter a spec string names (None for `none`). `build_part` builds each part (the
@@ -50,11 +48,16 @@ def build_drafter(spec: str | None, options: DrafterOptions | None = None,
 
 
 def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
-    """One drafter of a spec: n-gram lookup, early exit or a draft model (loaded here)."""
+    """One drafter of a spec: n-gram lookup, early exit, a trained head or a draft model (loaded here)."""
     if part.kind == "ngram":
         from drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if part.kind in ("feature", "early-exit-head"):
+        from drafters.heads import EarlyExitHeadDrafter, FeatureHeadDrafter
+
+        head = FeatureHeadDrafter if part.kind == "feature" else EarlyExitHeadDrafter
+        return head(part.arg, options.top_k, options.beam)
     if part.kind == "early-exit":
         from drafters.early_exit import EarlyExitDrafter
 

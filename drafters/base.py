@@ -12,7 +12,10 @@ import torch
 from specserve.tree import TokenTree
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from specserve.model_runner import ModelRunner
+    from specserve.models.config import ModelConfig
 
 
 @dataclass
@@ -77,9 +80,18 @@ class Drafter(ABC):
         drafted nodes (the speculation policy weighs it against the tokens it buys)."""
         return 0.0
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of the drafter's own K/V per block of the shared block tables (0: it has none)."""
+    def kv_bytes_per_block(self, block_size: int, target: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of the drafter's own K/V per block of the shared block tables (0: it has none),
+        for a target of that shape and dtype."""
         return 0
+
+    def hidden_wanted(self) -> tuple[int, ...]:
+        """The target's hidden states this drafter reads (layer boundaries, as `ForwardOutput.hidden`
+        names them); the engine then passes them for every committed token to `observe`."""
+        return ()
+
+    def observe(self, seq_id: int, position: int, hidden: dict[int, torch.Tensor]) -> None:  # noqa: B027
+        """The target's hidden states of a sequence's newly committed tokens, from `position` on."""
 
     def attach(self, target: DraftTarget) -> None:  # noqa: B027 - drafters without weights need nothing
         """Called once by the engine when its KV pool exists, before the first `propose`."""
@@ -88,9 +100,11 @@ class Drafter(ABC):
 @dataclass
 class DraftTarget:
     """What a drafter may use of the engine it serves: the target's runner (and its KV pool),
-    the pool's size in blocks, and the target's vocabulary (draft distributions are padded to it)."""
+    the pool's size in blocks, the target's vocabulary (draft distributions are padded to it)
+    and where its weights are."""
 
     runner: ModelRunner
     num_blocks: int
     block_size: int
     vocab_size: int
+    model_dir: Path | None = None  # the target's weights (trained heads check they belong to it)

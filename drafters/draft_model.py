@@ -17,6 +17,7 @@ from drafters.base import DraftTarget
 from drafters.tree_search import TreeSearchDrafter, _Search
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.models.config import ModelConfig
 from specserve.models.llama import LlamaForCausalLM
 from specserve.tree import TokenTree
 
@@ -48,7 +49,8 @@ class DraftModelDrafter(TreeSearchDrafter):
             raise ValueError(f"draft quantization {quantization!r}: use int8 or none")
         return cls(model, name_or_path, top_k, beam)
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
+    def kv_bytes_per_block(self, block_size: int, target: ModelConfig | None = None,
+                           dtype: torch.dtype | None = None) -> int:
         return KVCache.bytes_per_block(self.model.config, block_size, self.model.dtype)
 
     def attach(self, target: DraftTarget) -> None:

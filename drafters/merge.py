@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from drafters.base import Draft, Drafter, DraftRequest
 from specserve.tree import TokenTree
 
@@ -35,6 +37,13 @@ class MergedDrafter(Drafter):
     def release(self, seq_id: int) -> None:
         for drafter in self.drafters:
             drafter.release(seq_id)
+
+    def hidden_wanted(self) -> tuple[int, ...]:
+        return tuple(sorted({k for d in self.drafters for k in d.hidden_wanted()}))
+
+    def observe(self, seq_id: int, position: int, hidden: dict[int, torch.Tensor]) -> None:
+        for drafter in self.drafters:
+            drafter.observe(seq_id, position, hidden)
 
     def step_cost(self, max_nodes: int) -> float:
         return sum(d.step_cost(max_nodes) for d in self.drafters)

@@ -2,7 +2,10 @@
 
     none                   speculation off
     ngram                  prompt lookup (no weights)
-    early-exit[:K]         the target's first K layers + its norm and LM head
+    early-exit[:K]         the target's first K layers + its norm and LM head (untrained)
+    early-exit:PATH        a trained early-exit head (`specserve train-drafter --kind early-exit`)
+    early-exit:trained     the trained early-exit head shipped for the target
+    feature[:PATH]         an EAGLE-style feature head; without PATH the one shipped for the target
     NAME or PATH           a draft model sharing the target's tokenizer
     A+B                    several drafters, their trees merged into one
 """
@@ -11,17 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KNOWN_KINDS = ("none", "ngram", "early-exit")
+KNOWN_KINDS = ("none", "ngram", "early-exit", "feature")
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    kind: str  # "ngram", "early-exit" or "model"
-    arg: str | None = None  # early-exit: layers; model: name or path
+    kind: str  # "ngram", "early-exit", "early-exit-head", "feature" or "model"
+    arg: str | None = None  # early-exit: layers; heads: a path (None: the shipped head); model: name or path
 
     def __str__(self) -> str:
         if self.kind == "model":
             return str(self.arg)
+        if self.kind == "early-exit-head":
+            return f"early-exit:{self.arg or 'trained'}"
         return self.kind if self.arg is None else f"{self.kind}:{self.arg}"
 
 
@@ -46,7 +51,13 @@ def _parse_part(part: str, spec: str) -> DrafterSpec:
             raise ValueError(f"drafter spec {spec!r}: ngram takes no argument")
         return DrafterSpec("ngram")
     if kind == "early-exit":
-        if arg and not (arg.isdigit() and int(arg) > 0):
+        if arg == "trained":
+            return DrafterSpec("early-exit-head")
+        if arg and not arg.isdigit():  # a trained head's directory
+            return DrafterSpec("early-exit-head", arg)
+        if arg and int(arg) < 1:
             raise ValueError(f"drafter spec {spec!r}: early-exit:K needs a positive number of layers K")
         return DrafterSpec("early-exit", arg or None)
+    if kind == "feature":
+        return DrafterSpec("feature", arg or None)
     return DrafterSpec("model", part)

@@ -128,6 +128,11 @@ class _Search:
         self._newest: list[int] = []  # deterministic: the children of the last round
         self._unexpanded: list[tuple[float, int]] = []  # sampled: (-score, node)
         self.frontier = [0] if request.max_nodes > 0 and request.max_depth > 0 else []
+        # What a drafter keeps per node between rounds (a feature head: the feature each node's
+        # row predicted, and what the root's row read) and which nodes the last forward ran.
+        self.node_state: dict[int, torch.Tensor] = {}
+        self.node_input: dict[int, torch.Tensor] = {}
+        self.forwarded: list[int] = []
 
     @property
     def remaining(self) -> int:
@@ -141,6 +146,10 @@ class _Search:
         tree = TokenTree(tuple(self.tokens[n] for n in self.expanded),
                          tuple(-1 if n == 0 else position[self.parents[n]] for n in self.expanded))
         return tree, [position[n] for n in self.frontier]
+
+    def forward_nodes(self) -> list[int]:
+        """The nodes of `forward_tree()`, in its order."""
+        return list(range(len(self.tokens))) if self.sampled else list(self.expanded)
 
     def draft(self) -> Draft:
         if self.sampled:

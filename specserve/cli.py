@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from specserve.config import (
     DEFAULT_KV_CACHE_MEMORY,
@@ -156,7 +157,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="feed the prompt as plain text (no chat template)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, tokens_per_s")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("train-drafter", help="self-distil a drafter head (feature or early-exit) for a target")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="known name or HF directory of the target")
+    p.add_argument("--kind", choices=["feature", "early-exit"], default="feature",
+                   help="feature: EAGLE-style head on the target's last hidden state; early-exit: a layer after "
+                        "the target's layer K")
+    p.add_argument("--layers", type=int, default=None, help="early-exit: K, the target layers drafting runs "
+                                                            "(default: a quarter of them)")
+    p.add_argument("--data", action="append", default=None,
+                   help="GPTeacher-style JSON of instructions (repeatable; default: the shared GPTeacher files)")
+    p.add_argument("--out", required=True, help="directory for head.json + head.safetensors")
+    p.add_argument("--samples", type=int, default=None, help="instructions the target answers (default 1200)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per answer (default 256)")
+    p.add_argument("--temperature", type=float, default=None, help="of the target's answers (default 0: greedy)")
+    p.add_argument("--epochs", type=int, default=None, help="default 4")
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 (feature), 3e-4 (early-exit)")
+    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per optimizer step (default 4096)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="tokens the head scores: the answers' most frequent (default 8192)")
+    p.add_argument("--seed", type=int, default=None, help="default 0")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="the target's dtype while generating and recording its states (serve in the same)")
+    p.set_defaults(func=_cmd_train_drafter)
     return parser
+
+
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from specserve.training.data import GenerationSettings
+    from specserve.training.train import TrainSettings, train_drafter
+
+    def given(**values):  # flags left out keep the settings' defaults
+        return {k: v for k, v in values.items() if v is not None}
+
+    generation = GenerationSettings(**given(samples=args.samples, max_new_tokens=args.max_new_tokens,
+                                            temperature=args.temperature, seed=args.seed))
+    settings = TrainSettings(kind=args.kind, layer=args.layers, **given(
+        epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
+        seed=args.seed))
+    config = train_drafter(args.target, Path(args.out), settings, generation, args.data, args.dtype)
+    training = config.training
+    print(f"[{config.kind} head for {config.target}: validation top-1 agreement {training['val_agreement']:.1%} "
+          f"(untrained {training['epochs'][0]['val_agreement']:.1%}), {training['wall_seconds']:.0f} s; "
+          f"use --draft {config.kind}:{args.out}]", file=sys.stderr)
+    return 0
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

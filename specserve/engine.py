@@ -79,7 +79,7 @@ class LLMEngine:
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
         per_block = KVCache.bytes_per_block(model_config, block_size, self.model.dtype)
-        per_block += sum(d.kv_bytes_per_block(block_size) for d in self._parts.values())
+        per_block += sum(d.kv_bytes_per_block(block_size, model_config, self.model.dtype) for d in self._parts.values())
         num_blocks = self.config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv cache memory of {self.config.kv_cache_bytes} bytes holds no block "
@@ -89,7 +89,7 @@ class LLMEngine:
         self.policy = SpeculationPolicy(adaptive=self.config.speculation == "adaptive")
         self.scheduler = Scheduler(self.config, self.block_manager, self.policy)
         self.runner = ModelRunner(self.model, self.kv_cache)
-        self._draft_target = DraftTarget(self.runner, num_blocks, block_size, model_config.vocab_size)
+        self._draft_target = DraftTarget(self.runner, num_blocks, block_size, model_config.vocab_size, self.model_path)
         for part in self._parts.values():
             part.attach(self._draft_target)
         self.num_kv_tokens = num_blocks * block_size
@@ -201,16 +201,19 @@ class LLMEngine:
                 seq.drafter.release(seq.seq_id)
         drafts = self._propose(plan.scheduled, plan.token_seconds)
         start = time.perf_counter()
-        results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled])
+        results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled],
+                                      hidden_at=_hidden_wanted(plan.scheduled))
         if drafts:
             self.metrics.target_s += time.perf_counter() - start
 
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         plain: list[tuple[ScheduledSequence, torch.Tensor]] = []
-        speculated = []
+        speculated, speculated_results = [], []
         for s, result in zip(plan.scheduled, results, strict=True):
             draft = drafts.get(s.seq.seq_id)
             if draft is None:
+                if result.hidden and s.seq.drafter is not None:  # every row is committed: a chunk or a decode
+                    s.seq.drafter.observe(s.seq.seq_id, s.context_len, result.hidden)
                 s.seq.num_computed += s.num_tokens
                 s.seq.num_forwarded_tokens += s.num_tokens
                 self.block_manager.commit(s.seq.block_table, s.seq.token_ids, s.seq.num_computed)
@@ -218,7 +221,11 @@ class LLMEngine:
                     plain.append((s, result.logits[-1]))
             else:
                 speculated.append((s, draft, result.logits))
-        for s, draft, logits, verdict in self._verify(speculated):
+                speculated_results.append(result)
+        for (s, draft, logits, verdict), result in zip(self._verify(speculated), speculated_results, strict=True):
+            if result.hidden:  # the root and the accepted nodes are committed (the seq has a drafter)
+                path = torch.tensor(verdict.path, dtype=torch.int64)
+                s.seq.drafter.observe(s.seq.seq_id, s.context_len, {k: h[path] for k, h in result.hidden.items()})
             delta = deltas.setdefault(s.seq.request_id, {})
             delta[s.seq.index] = self._commit_speculated(s, draft, logits, verdict)
 
@@ -391,6 +398,12 @@ class EngineMetrics:
     draft_s: float = 0.0  # drafters proposing trees
     target_s: float = 0.0  # target forwards of steps that verified at least one tree
     verify_s: float = 0.0  # walking the trees and compacting accepted K/V
+
+
+def _hidden_wanted(scheduled: list[ScheduledSequence]) -> tuple[int, ...]:
+    """The target hidden states the step's drafters read (none: the forward keeps none)."""
+    drafters = {id(s.seq.drafter): s.seq.drafter for s in scheduled if s.seq.drafter is not None}
+    return tuple(sorted({k for d in drafters.values() for k in d.hidden_wanted()}))
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator | None:

@@ -30,7 +30,7 @@ class TreeRequest:
 @dataclass
 class RequestOutput:
     logits: torch.Tensor  # [nodes asked for, vocab] fp32
-    hidden: torch.Tensor | None  # [tree nodes, hidden], when asked for
+    hidden: dict[int, torch.Tensor]  # layer boundary -> [tree nodes, hidden], as asked (`ForwardOutput.hidden`)
 
 
 class ModelRunner:
@@ -44,7 +44,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, requests: Sequence[TreeRequest], return_hidden: bool = False, num_layers: int | None = None
+        self, requests: Sequence[TreeRequest], hidden_at: Sequence[int] = (), num_layers: int | None = None
     ) -> list[RequestOutput]:
         meta = AttentionMetadata.build(
             [r.tree for r in requests],
@@ -54,14 +54,14 @@ class ModelRunner:
         )
         input_ids = torch.tensor([t for r in requests for t in r.tree.tokens], dtype=torch.int64)
         selected, counts = _logits_rows(requests, meta)
-        out = self.model(input_ids, meta, self.kv_cache, logits_indices=selected, return_hidden=return_hidden,
+        out = self.model(input_ids, meta, self.kv_cache, logits_indices=selected, hidden_at=hidden_at,
                          num_layers=num_layers)
         logits = out.logits.split(counts)
         starts = meta.query_start_loc.tolist()
         return [
             RequestOutput(
                 logits=logits[b],
-                hidden=None if out.hidden is None else out.hidden[starts[b] : starts[b + 1]],
+                hidden={k: h[starts[b] : starts[b + 1]] for k, h in out.hidden.items()},
             )
             for b in range(len(requests))
         ]

@@ -9,6 +9,7 @@ overhead (see `specserve.models.linear`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,10 @@ class DecoderLayer(nn.Module):
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [len(logits_indices), vocab] fp32
-    hidden: torch.Tensor | None  # [T, hidden] final-normed hidden states, when asked for
+    # Hidden states asked for by `hidden_at`, each [T, hidden]: key k < num_layers is the residual
+    # stream after the first k layers (what layer k takes in); key num_layers is the final-normed
+    # state the LM head reads. Drafter heads train on, and draft from, these.
+    hidden: dict[int, torch.Tensor]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,26 +141,48 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
         logits_indices: torch.Tensor | None = None,
-        return_hidden: bool = False,
+        hidden_at: Sequence[int] = (),
         num_layers: int | None = None,
     ) -> ForwardOutput:
-        """Run the step's trees; logits only for `logits_indices` (all tokens when None).
+        """Run the step's trees; logits only for `logits_indices` (all tokens when None), and
+        the hidden states `hidden_at` names (see `ForwardOutput.hidden`).
 
         `num_layers` stops after the first layers and applies the final norm and LM head there
         (early exit: the target's own cheap draft, reusing its cache for those layers)."""
         if self.rotary is None:
             raise RuntimeError("call init_rotary() after loading weights")
-        cos, sin = self.rotary(meta.positions)
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers[:num_layers]:
-            x = layer(x, cos, sin, kv_cache, meta)
-        if logits_indices is not None and not return_hidden:
+        total = self.config.num_layers
+        if any(not 0 <= k <= total for k in hidden_at):
+            raise ValueError(f"hidden_at {tuple(hidden_at)}: layer boundaries run from 0 to {total}")
+        hidden: dict[int, torch.Tensor] = {}
+        x = self.run_layers(input_ids, meta, kv_cache, num_layers, hidden_at, hidden)
+        final = total in hidden_at and (num_layers is None or num_layers == total)
+        if logits_indices is not None and not final:
             x = x[logits_indices]  # normalise only the rows whose logits we need
             logits_indices = None
-        hidden = self.norm(x)
-        selected = hidden if logits_indices is None else hidden[logits_indices]
-        logits = self.lm_head(selected).float()
+        normed = self.norm(x)
+        if final:
+            hidden[total] = normed
+        selected = normed if logits_indices is None else normed[logits_indices]
+        return ForwardOutput(logits=self.score(selected), hidden=hidden)
+
+    def run_layers(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                   num_layers: int | None = None, hidden_at: Sequence[int] = (),
+                   hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Embed and run the first `num_layers` layers (all: None); the residual stream out.
+        The states entering the layers `hidden_at` names go into `hidden`."""
+        cos, sin = self.rotary(meta.positions)
+        x = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers[:num_layers]):
+            if hidden is not None and index in hidden_at:
+                hidden[index] = x
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
+
+    def score(self, normed: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary for final-normed hidden states."""
+        logits = self.lm_head(normed).float()
         if self.output_ids is not None:
             full = logits.new_full((logits.shape[0], self.config.vocab_size), -math.inf)
             logits = full.index_copy_(1, self.output_ids, logits)
-        return ForwardOutput(logits=logits, hidden=hidden if return_hidden else None)
+        return logits

@@ -18,7 +18,7 @@ from torch import nn
 
 from specserve.models.config import ModelConfig
 from specserve.models.linear import packing_available
-from specserve.models.llama import LlamaForCausalLM
+from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -94,7 +94,7 @@ def _checkpoint_dtypes(path: Path) -> set[torch.dtype | None]:
     return {SAFETENSORS_DTYPES.get(v["dtype"]) for f in _checkpoint_files(path) for v in _header(f)[1].values()}
 
 
-class _Checkpoint:
+class Checkpoint:
     """Hands out tensors by name in the model's dtype and remembers what was never asked for."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
@@ -110,6 +110,22 @@ class _Checkpoint:
         return nn.Parameter(self.take(name), requires_grad=False)
 
 
+def load_layer(layer: DecoderLayer, ckpt: Checkpoint, prefix: str, config: ModelConfig, pack: bool) -> None:
+    """One decoder layer's tensors (Hugging Face names under `prefix`) into `layer`."""
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def weights(names: list[str], bias: bool):
+        blocks = [ckpt.take(f"{prefix}{n}.weight") for n in names]
+        return blocks, [ckpt.take(f"{prefix}{n}.bias") for n in names] if bias else None
+
+    attn.qkv_proj.load(*weights([f"self_attn.{p}_proj" for p in "qkv"], config.qkv_bias), pack=pack)
+    attn.o_proj.load(*weights(["self_attn.o_proj"], config.o_bias), pack=pack)
+    mlp.gate_up_proj.load(*weights(["mlp.gate_proj", "mlp.up_proj"], config.mlp_bias), pack=pack)
+    mlp.down_proj.load(*weights(["mlp.down_proj"], config.mlp_bias), pack=pack)
+    layer.input_layernorm.weight = ckpt.parameter(f"{prefix}input_layernorm.weight")
+    layer.post_attention_layernorm.weight = ckpt.parameter(f"{prefix}post_attention_layernorm.weight")
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
     path = Path(path)
     config = ModelConfig.from_dir(path)
@@ -117,23 +133,12 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> Llam
     # Packed mode maps the checkpoint instead of reading it: its plain weights stay file-backed.
     pack = packing_available(dtype) and _checkpoint_dtypes(path) == {dtype}
     mappings: list[mmap.mmap] = []
-    ckpt = _Checkpoint(_read_tensors(path, mappings if pack else None), dtype, path)
+    ckpt = Checkpoint(_read_tensors(path, mappings if pack else None), dtype, path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
 
     for i, layer in enumerate(model.layers):
-        attn, mlp, prefix = layer.self_attn, layer.mlp, f"layers.{i}."
-
-        def weights(names: list[str], bias: bool, prefix=prefix):
-            blocks = [ckpt.take(f"{prefix}{n}.weight") for n in names]
-            return blocks, [ckpt.take(f"{prefix}{n}.bias") for n in names] if bias else None
-
-        attn.qkv_proj.load(*weights([f"self_attn.{p}_proj" for p in "qkv"], config.qkv_bias), pack=pack)
-        attn.o_proj.load(*weights(["self_attn.o_proj"], config.o_bias), pack=pack)
-        mlp.gate_up_proj.load(*weights(["mlp.gate_proj", "mlp.up_proj"], config.mlp_bias), pack=pack)
-        mlp.down_proj.load(*weights(["mlp.down_proj"], config.mlp_bias), pack=pack)
-        layer.input_layernorm.weight = ckpt.parameter(f"{prefix}input_layernorm.weight")
-        layer.post_attention_layernorm.weight = ckpt.parameter(f"{prefix}post_attention_layernorm.weight")
+        load_layer(layer, ckpt, f"layers.{i}.", config, pack)
     model.embed_tokens.weight = ckpt.parameter("embed_tokens.weight")
     model.norm.weight = ckpt.parameter("norm.weight")
     if config.tie_word_embeddings:

@@ -89,7 +89,8 @@ def test_greedy_speculation_equals_plain_decoding(smollm2_path, smollm2_draft_pa
     if case == "preemption":  # room for the longest sequence and a little more
         engine = make_engine(smollm2_path, **{**options, "kv_cache_memory": "4MiB"})
         per_block = engine.kv_cache.bytes_per_block(engine.model.config, 16, torch.float32)
-        per_block += sum(d.kv_bytes_per_block(16) for d in engine._parts.values())  # a draft model's K/V too
+        per_block += sum(d.kv_bytes_per_block(16, engine.model.config, engine.model.dtype)  # a drafter's K/V too
+                         for d in engine._parts.values())
         longest = max(len(p) for p in prompts) + 32
         options["kv_cache_memory"] = per_block * (longest // 16 + 12)
     engine = make_engine(smollm2_path, **options)
@@ -152,6 +153,12 @@ class RecordingDrafter(Drafter):
 
     def release(self, seq_id: int) -> None:
         self.inner.release(seq_id)
+
+    def hidden_wanted(self):
+        return self.inner.hidden_wanted()
+
+    def observe(self, seq_id, position, hidden) -> None:
+        self.inner.observe(seq_id, position, hidden)
 
 
 def first_three(path, draft: str, params: SamplingParams, draws: int, **options) -> tuple[torch.Tensor, LLMEngine]:
@@ -322,3 +329,42 @@ def test_drafter_errors_say_what_to_change(small_vocab_model, small_vocab_draft)
     out = run_batch(with_draft, [PATTERN_PROMPT],
                     SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, speculation=merged))
     assert out[0].metrics.spec.verify_steps > 0
+
+
+# -- trained heads: sampled trees keep the distribution ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab_heads(tmp_path_factory, small_vocab_model):
+    """An untrained (random) head of each kind for the 8-token model: drafts that are often wrong."""
+    from drafters.heads import HeadConfig, save_head, target_fingerprint
+    from specserve.models.loader import load_model
+    from specserve.training.heads import TrainableHead
+
+    target = load_model(small_vocab_model, torch.float32)
+    heads = {}
+    for kind, layer in (("feature", target.config.num_layers), ("early-exit", 1)):
+        torch.manual_seed(3)
+        head = TrainableHead(target, kind, layer, torch.arange(VOCAB))
+        with torch.no_grad():  # an early-exit head starts as the target's next layer: make it differ
+            for param in head.layer.parameters():
+                param.add_(torch.randn_like(param) * 0.3)
+        directory = tmp_path_factory.mktemp(f"head-{kind}")
+        save_head(directory, HeadConfig(kind, "vocab8", target_fingerprint(small_vocab_model), layer, VOCAB),
+                  head.tensors())
+        heads[kind] = directory
+    return heads
+
+
+@pytest.mark.parametrize("kind", ["feature", "early-exit"])
+def test_sampled_head_trees_keep_the_distribution(small_vocab_model, small_vocab_heads, kind, chi_square_two_sample):
+    """A head's children sampled from its q without replacement, verified against q: half the
+    draws from chains (runs of sampled tokens accepted in a row), half from branching trees."""
+    spec = f"{kind}:{small_vocab_heads[kind]}"
+    chains, chain_engine = first_three(small_vocab_model, spec, SAMPLING["T=1"], 6_000, draft_top_k=1, draft_beam=1)
+    trees, tree_engine = first_three(small_vocab_model, spec, SAMPLING["T=1"], 6_000, draft_top_k=2, draft_beam=2)
+    assert len(chain_engine.metrics.spec.accepted_at_depth) > 1, "some steps accept two sampled tokens in a row"
+    assert tree_engine.drafter.max_children >= 2 and tree_engine.metrics.spec.accepted_tokens > 0
+    assert chain_engine.drafter.sampled_nodes > 1000 and tree_engine.drafter.sampled_nodes > 1000
+    p_value = chi_square_two_sample(plain_counts(small_vocab_model, "T=1"), chains + trees)
+    assert p_value > 0.01, f"{kind} head speculation changed the distribution (p = {p_value:.2e})"

@@ -181,18 +181,23 @@ def test_smollm2_bf16_argmax_agrees(smollm2_case):
     assert agree / total >= 0.99
 
 
-def test_hidden_states_are_the_final_normed_states(tiny_checkpoint):
-    """`return_hidden` gives what the LM head sees (drafter heads train on it)."""
+def test_hidden_states_are_what_each_layer_takes_in_and_the_final_normed_states(tiny_checkpoint):
+    """`hidden_at` gives the residual stream entering a layer, and (key num_layers) what the LM
+    head sees: drafter heads train on and draft from them."""
     path = tiny_checkpoint("llama")
     ours = load_model(path, torch.float32)
     theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     runner = ModelRunner(ours, KVCache.for_model(ours.config, 8, 4, torch.float32))
     ids = list(range(3, 20))
-    out = runner.forward([TreeRequest(TokenTree.chain(ids), 0, list(range(8)), logits="last")], return_hidden=True)[0]
+    last = ours.config.num_layers
+    out = runner.forward([TreeRequest(TokenTree.chain(ids), 0, list(range(8)), logits="last")],
+                         hidden_at=(1, last))[0]
     with torch.no_grad():
-        expected = theirs.model(torch.tensor([ids])).last_hidden_state[0]
-    assert out.hidden.shape == (len(ids), ours.config.hidden_size) and out.logits.shape == (1, 211)
-    torch.testing.assert_close(out.hidden, expected, atol=1e-5, rtol=1e-5)
+        states = theirs.model(torch.tensor([ids]), output_hidden_states=True)
+    assert set(out.hidden) == {1, last} and out.logits.shape == (1, 211)
+    assert out.hidden[last].shape == (len(ids), ours.config.hidden_size)
+    torch.testing.assert_close(out.hidden[last], states.last_hidden_state[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.hidden[1], states.hidden_states[1][0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,338 @@
+"""Trained drafter heads: an early-exit head and an EAGLE-style feature head.
+
+Both are one decoder layer of the target's shape, trained by `specserve train-drafter`
+(`specserve.training`) on the target's own hidden states, with K/V of their own in a
+one-layer cache indexed by the shared block tables. Each scores a *draft vocabulary* (the
+tokens most frequent in the target's answers) through the rows of the target's frozen LM
+head it needs: a fraction of the full head's cost (FR-Spec). A rare token is never drafted;
+verification stays exact either way.
+
+* feature head (EAGLE): row i takes `fc([f_{i-1}; embed(x_i)])`, f the target's final-normed
+  hidden state (what its LM head reads), and predicts f_i; `lm_head(f_i)` guesses x_{i+1}.
+  Committed rows use the target's true f; a drafted node uses the feature its parent's row
+  predicted, so drafting autoregresses on the head's own features.
+* early-exit head: the target's first K layers, then the head layer in place of the rest,
+  then the target's norm and LM head. Committed rows take the residual stream the target's
+  own forwards computed entering layer K; drafted nodes run the first K layers (writing the
+  target's K/V of those layers at tree slots, which verification rewrites).
+
+The engine hands a head the target's hidden states of every committed token
+(`Drafter.observe`); a step's first round catches the head's cache up on the tokens
+committed since its last draft (the accepted run and the bonus token, or a prompt), ending at
+the root, and later rounds grow the tree as `drafters.tree_search` does. Prompt tokens found
+in the prefix cache have no hidden states: their head K/V are those the blocks' first owner
+wrote, which are the same wherever that owner drafted with this head.
+
+A head lives in a directory: `head.json` (`HeadConfig`: kind, the target it belongs to and
+its fingerprint, how it was trained) and `head.safetensors` (`layer.*` in Hugging Face names,
+`fc.*` for a feature head, `vocab_ids`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafters.base import DraftTarget
+from drafters.tree_search import TreeSearchDrafter, _Search
+from kernels.metadata import AttentionMetadata
+from specserve.kv_cache import KVCache
+from specserve.model_runner import TreeRequest
+from specserve.models.config import ModelConfig
+from specserve.models.linear import Projection, packing_available
+from specserve.models.llama import DecoderLayer, LlamaForCausalLM
+from specserve.tree import TokenTree
+
+HEAD_KINDS = ("feature", "early-exit")
+CONFIG_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
+SHIPPED_DIR = Path(__file__).parent / "trained"  # heads shipped with specserve: <target>/<kind>/
+
+
+@dataclass
+class HeadConfig:
+    kind: str  # "feature" or "early-exit"
+    target: str  # the name of the target it was trained for
+    target_fingerprint: str  # `target_fingerprint` of that target's directory
+    layer: int  # the hidden state it reads: early-exit K (the stream entering layer K); feature: num_layers
+    vocab_size: int  # tokens in its draft vocabulary
+    training: dict = field(default_factory=dict)  # settings, wall time, validation agreement per epoch
+
+    def save(self, directory: Path) -> None:
+        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> HeadConfig:
+        path = Path(directory) / CONFIG_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{directory} is not a drafter head: it has no {CONFIG_FILE} "
+                                    "(train one with `specserve train-drafter`)")
+        data = json.loads(path.read_text())
+        if data.get("kind") not in HEAD_KINDS:
+            raise ValueError(f"{path}: kind {data.get('kind')!r} is not one of {', '.join(HEAD_KINDS)}")
+        return cls(**data)
+
+
+def save_head(directory: Path, config: HeadConfig, tensors: dict[str, torch.Tensor]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / WEIGHTS_FILE))
+    config.save(directory)
+
+
+def target_fingerprint(model_dir: Path) -> str:
+    """Identifies a target's weights without reading them all: its config and, per checkpoint
+    file, the size and the first MiB (which holds the header and the first tensors)."""
+    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(2**20))
+    return digest.hexdigest()[:16]
+
+
+def find_head(kind: str, source: str | None, target_dir: Path | None) -> Path:
+    """A head's directory: `source` as a path, or (None) the shipped head of `kind` whose
+    fingerprint matches the target's."""
+    if source is not None:
+        path = Path(source).expanduser()
+        if not (path / CONFIG_FILE).exists():
+            raise FileNotFoundError(f"drafter head {source!r}: no {CONFIG_FILE} there; give the directory "
+                                    "`specserve train-drafter --out` wrote")
+        return path
+    fingerprint = None if target_dir is None else target_fingerprint(target_dir)
+    shipped = sorted(p.parent for p in SHIPPED_DIR.glob(f"*/{kind}/{CONFIG_FILE}"))
+    for directory in shipped:
+        if HeadConfig.load(directory).target_fingerprint == fingerprint:
+            return directory
+    names = ", ".join(HeadConfig.load(d).target for d in shipped) or "none"
+    raise ValueError(f"no shipped {kind} head for this target (shipped: {names}): train one with "
+                     f"`specserve train-drafter --kind {kind} --out DIR` and use {kind}:DIR")
+
+
+class _SeqState:
+    """A sequence's head cache and the target's hidden states it has not consumed yet."""
+
+    def __init__(self) -> None:
+        self.computed = 0  # leading rows whose head K/V are in place
+        self.start = 0  # position of the first kept hidden state
+        self.rows: list[torch.Tensor] = []
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(len(r) for r in self.rows)
+
+    def add(self, position: int, hidden: torch.Tensor) -> None:
+        if not self.rows or position != self.end:  # the first, or after a gap: start afresh
+            self.start, self.rows = position, []
+        self.rows.append(hidden)
+
+    def take(self, first: int, stop: int) -> torch.Tensor:
+        """Hidden states of positions [first, stop); those before `stop - 1` are dropped."""
+        if first < self.start or stop > self.end:
+            raise RuntimeError(f"head state holds positions [{self.start}, {self.end}), asked for [{first}, {stop})")
+        rows = torch.cat(self.rows) if len(self.rows) > 1 else self.rows[0]
+        keep = max(0, stop - 1 - self.start)
+        self.start, self.rows = self.start + keep, [rows[keep:]]
+        return rows[first - (self.start - keep): stop - (self.start - keep)]
+
+
+class HeadDrafter(TreeSearchDrafter):
+    """What both head kinds share: the checkpoint, the one-layer cache, the draft vocabulary,
+    and the per-sequence bookkeeping of hidden states."""
+
+    kind: str
+    shift: int  # row i reads the target's hidden state at position i - shift
+
+    def __init__(self, source: str | None = None, top_k: int = 4, beam: int = 4):
+        super().__init__(top_k, beam)
+        self.source = source
+        self.spec = self.kind if source is None else f"{self.kind}:{source}"
+        self.target: LlamaForCausalLM | None = None
+        self.config: HeadConfig | None = None
+        self._seqs: dict[int, _SeqState] = {}
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self, block_size: int, target: ModelConfig, dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_block(target, block_size, dtype) // target.num_layers
+
+    def attach(self, target: DraftTarget) -> None:
+        directory = find_head(self.kind, self.source, target.model_dir)
+        config = HeadConfig.load(directory)
+        model = target.runner.model
+        if config.kind != self.kind:
+            raise ValueError(f"{directory} holds a {config.kind} head, not a {self.kind} head: use "
+                             f"{config.kind}:{directory}")
+        if target.model_dir is not None and config.target_fingerprint != target_fingerprint(target.model_dir):
+            raise ValueError(f"drafter head {directory} was trained for {config.target!r}, not the target this "
+                             f"engine serves ({target.model_dir}): train one for it with `specserve train-drafter`")
+        tensors = load_file(str(directory / WEIGHTS_FILE))
+        self.vocab_ids = tensors.pop("vocab_ids").to(torch.int64)
+        self.layer = build_layer(model.config, {k.removeprefix("layer."): v for k, v in tensors.items()
+                                                if k.startswith("layer.")}, model.dtype)
+        pack = packing_available(model.dtype)
+        self.lm_head = Projection(model.config.hidden_size, [len(self.vocab_ids)])
+        self.lm_head.load([model.lm_head.blocks[0][self.vocab_ids].contiguous()], None, pack=pack)
+        self._load_extra(tensors, model, pack)
+        mc = model.config
+        self.cache = KVCache(1, target.num_blocks, target.block_size, mc.num_kv_heads, mc.head_dim, model.dtype)
+        self.target, self.config, self.vocab_size = model, config, target.vocab_size
+        self.target_runner = target.runner
+
+    def _load_extra(self, tensors: dict[str, torch.Tensor], model: LlamaForCausalLM, pack: bool) -> None:
+        """Weights besides the layer (the feature head's fc)."""
+
+    # -- hidden states -----------------------------------------------------------------------
+
+    def hidden_wanted(self) -> tuple[int, ...]:
+        return (self.config.layer,) if self.config is not None else ()
+
+    def observe(self, seq_id: int, position: int, hidden: dict[int, torch.Tensor]) -> None:
+        if self.config is not None and self.config.layer in hidden:
+            self._seqs.setdefault(seq_id, _SeqState()).add(position, hidden[self.config.layer])
+
+    def release(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def _catch_up(self, search: _Search) -> tuple[int, _SeqState]:
+        """The first row to recompute this step, and the hidden states its rows up to the root read."""
+        length = len(search.request.token_ids)
+        state = self._seqs.setdefault(search.request.seq_id, _SeqState())
+        first = min(state.computed, length - 1)
+        if not state.rows:
+            raise RuntimeError(f"{self.spec}: no target hidden states for sequence {search.request.seq_id} "
+                               "(the engine must pass them with observe())")
+        if first or state.start:  # rows whose hidden state is gone: in prefix-cached blocks
+            first = max(first, state.start + self.shift)
+        state.computed = length
+        return first, state
+
+    # -- running the head --------------------------------------------------------------------
+
+    def _run_layer(self, requests: list[TreeRequest], x: torch.Tensor) -> torch.Tensor:
+        meta = AttentionMetadata.build([r.tree for r in requests], [r.context_len for r in requests],
+                                       [r.block_table for r in requests], self.cache.block_size)
+        cos, sin = self.target.rotary(meta.positions)
+        return self.layer(x, cos, sin, self.cache, meta)
+
+    def _score(self, normed: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (-inf off the draft vocabulary) of head outputs."""
+        logits = self.lm_head(normed).float()
+        full = logits.new_full((logits.shape[0], self.vocab_size), -torch.inf)
+        return full.index_copy_(1, self.vocab_ids, logits)
+
+
+class FeatureHeadDrafter(HeadDrafter):
+    kind, shift = "feature", 1
+
+    def _load_extra(self, tensors, model, pack) -> None:
+        hidden = model.config.hidden_size
+        self.fc = Projection(2 * hidden, [hidden])
+        self.fc.load([tensors["fc.weight"].to(model.dtype)], [tensors["fc.bias"].to(model.dtype)], pack=pack)
+
+    @torch.inference_mode()
+    def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:
+        requests, features, tokens, wanted = [], [], [], []
+        for search in searches:
+            request = search.request
+            length = len(request.token_ids)
+            if search.rounds == 0:  # catch up, ending at the root
+                first, state = self._catch_up(search)
+                inputs = state.take(max(first - 1, 0), length - 1)
+                if first == 0:  # the first row has no feature before it
+                    inputs = torch.cat([inputs.new_zeros(1, inputs.shape[1]), inputs])
+                search.node_input = {0: inputs[-1]}
+                nodes = [0]
+                requests.append(TreeRequest(TokenTree.chain(request.token_ids[first:]), first, request.block_table))
+                features.append(inputs)
+                tokens.extend(request.token_ids[first:])
+                wanted.append([len(inputs) - 1])
+                search.forwarded = nodes
+                continue
+            tree, frontier = search.forward_tree()
+            nodes = search.forward_nodes()
+            parents = search.parents
+            features.append(torch.stack([search.node_input[0] if n == 0 else search.node_state[parents[n]]
+                                         for n in nodes]))
+            requests.append(TreeRequest(tree, length - 1, request.block_table))
+            tokens.extend(tree.tokens)
+            wanted.append(frontier)
+            search.forwarded = nodes
+        embedded = self.target.embed_tokens(torch.tensor(tokens, dtype=torch.int64))
+        x = self.fc(torch.cat([torch.cat(features).to(embedded.dtype), embedded], dim=-1))
+        out = self._run_layer(requests, x)
+        logits, start = [], 0
+        for search, request, rows in zip(searches, requests, wanted, strict=True):
+            mine = out[start: start + len(request.tree)]
+            start += len(request.tree)
+            offset = len(request.tree) - 1 if search.rounds == 0 else 0
+            for index, node in enumerate(search.forwarded):
+                search.node_state.setdefault(node, mine[index + offset])
+            logits.append(self._score(mine[rows]))
+        return logits
+
+
+class EarlyExitHeadDrafter(HeadDrafter):
+    kind, shift = "early-exit", 0
+
+    def __init__(self, source: str | None = None, top_k: int = 4, beam: int = 4):
+        super().__init__(source, top_k, beam)
+        self.spec = f"early-exit:{source or 'trained'}"
+
+    @torch.inference_mode()
+    def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:
+        # The target's first K layers over each search's tree (round 0: the root alone).
+        target_requests = []
+        for search in searches:
+            request = search.request
+            if search.rounds == 0:
+                tree, rows = TokenTree.single(request.token_ids[-1]), [0]
+            else:
+                tree, rows = search.forward_tree()
+            target_requests.append(TreeRequest(tree, len(request.token_ids) - 1, request.block_table, rows))
+        meta = AttentionMetadata.build([r.tree for r in target_requests], [r.context_len for r in target_requests],
+                                       [r.block_table for r in target_requests], self.target_runner.block_size)
+        ids = torch.tensor([t for r in target_requests for t in r.tree.tokens], dtype=torch.int64)
+        x = self.target.run_layers(ids, meta, self.target_runner.kv_cache, self.config.layer)
+        # The head layer: round 0 catches up on committed rows (the target's own states) first.
+        head_requests, inputs, wanted, start = [], [], [], 0
+        for search, target_request in zip(searches, target_requests, strict=True):
+            mine = x[start: start + len(target_request.tree)]
+            start += len(target_request.tree)
+            request = search.request
+            if search.rounds == 0:
+                first, state = self._catch_up(search)
+                length = len(request.token_ids)
+                committed = state.take(first, length - 1) if first < length - 1 else mine[:0]
+                inputs.append(torch.cat([committed.to(mine.dtype), mine]))
+                head_requests.append(TreeRequest(TokenTree.chain(request.token_ids[first:]), first,
+                                                 request.block_table))
+                wanted.append([len(committed)])
+            else:
+                inputs.append(mine)
+                head_requests.append(target_request)
+                wanted.append(list(target_request.logits))
+        out = self._run_layer(head_requests, torch.cat(inputs))
+        logits, start = [], 0
+        for request, rows in zip(head_requests, wanted, strict=True):
+            mine = out[start: start + len(request.tree)]
+            start += len(request.tree)
+            logits.append(self._score(self.target.norm(mine[rows])))
+        return logits
+
+
+def build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> DecoderLayer:
+    """A decoder layer of the target's shape from Hugging Face-named tensors (K/V: layer 0 of its cache)."""
+    from specserve.models.loader import Checkpoint, load_layer
+
+    with torch.device("meta"):
+        layer = DecoderLayer(config, 0)
+    ckpt = Checkpoint(dict(tensors), dtype, Path("<head>"))
+    load_layer(layer, ckpt, "", config, packing_available(dtype))
+    if ckpt.tensors:
+        raise ValueError(f"drafter head has tensors a decoder layer does not use: {sorted(ckpt.tensors)[:5]}")
+    return layer.eval().requires_grad_(False)

@@ -1,0 +1,199 @@
+"""Training data for drafter heads: the target's own answers, then its hidden states over them.
+
+1. `generate`: the target answers instructions (GPTeacher; never the Spec-Bench evaluation
+   questions) through specserve's engine, batched. Each finished answer is appended to a
+   JSONL file at once, so an interrupted run resumes where it stopped.
+2. `extract`: one prefill forward over every (prompt + answer) records, per token, the
+   final-normed hidden state (what the LM head reads: the feature head's input and target,
+   and the teacher's logits through the LM head) and, for an early-exit head after layer K,
+   the residual stream entering layer K.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from specserve.kv_cache import KVCache
+from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.models.llama import LlamaForCausalLM
+from specserve.tree import TokenTree
+
+DEFAULT_DATA = ("gpteacher_roleplay.json", "gpteacher_toolformer.json")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What makes a set of generated answers (the resume key: change one, generate anew)."""
+
+    samples: int = 1200  # instructions answered
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 384  # longer prompts are skipped
+    temperature: float = 0.0  # 0: greedy, the answers the served target gives
+    seed: int = 0
+
+    def key(self, files: Sequence[Path], target: str) -> str:
+        """Answers are cached per instruction of one shuffled order, so asking for more samples
+        later extends the same cache: `samples` is not part of the key."""
+        settings = {k: v for k, v in asdict(self).items() if k != "samples"}
+        text = json.dumps([settings, [Path(f).name for f in files], target], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class Example:
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def load_instructions(files: Sequence[Path], samples: int, seed: int) -> list[str]:
+    """User turns from GPTeacher-style JSON (instruction + optional input), shuffled by `seed`."""
+    turns: list[str] = []
+    for file in files:
+        records = json.loads(Path(file).read_text())
+        if not isinstance(records, list) or not all(isinstance(r, dict) and "instruction" in r for r in records):
+            raise ValueError(f"{file}: expected a JSON list of objects with an 'instruction' (and optional 'input')")
+        for r in records:
+            extra = (r.get("input") or "").strip()
+            turns.append(r["instruction"].strip() + (f"\n\n{extra}" if extra else ""))
+    random.Random(seed).shuffle(turns)
+    return turns[:samples]
+
+
+def generate(engine, instructions: Sequence[str], settings: GenerationSettings, cache_file: Path,
+             max_in_flight: int = 128, progress: bool = True) -> list[Example]:
+    """The target's answers to `instructions` (chat template), resuming from `cache_file`."""
+    from specserve.sampling import SamplingParams
+
+    done: dict[int, Example] = {}
+    if cache_file.exists():
+        for line in cache_file.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["index"]] = Example(record["prompt_ids"], record["output_ids"])
+    todo = [i for i in range(len(instructions)) if i not in done]
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    params = SamplingParams(max_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                            seed=settings.seed)
+    pending = iter(todo)
+    in_flight: set[str] = set()
+    with cache_file.open("a") as sink, tqdm(total=len(instructions), initial=len(done), desc="generate answers",
+                                            unit="answer", disable=not progress) as bar:
+
+        def admit() -> None:
+            while len(in_flight) < max_in_flight:
+                index = next(pending, None)
+                if index is None:
+                    return
+                prompt = engine.encode(instructions[index], chat=True)
+                if len(prompt) > settings.max_prompt_tokens:
+                    done[index] = Example(prompt, [])  # skipped: recorded so a resume skips it too
+                    sink.write(json.dumps({"index": index, "prompt_ids": prompt, "output_ids": []}) + "\n")
+                    bar.update()
+                    continue
+                engine.add_request(str(index), prompt, params, prompt_ids=prompt)
+                in_flight.add(str(index))
+
+        admit()
+        while in_flight:
+            for out in engine.step():
+                if out.finished:
+                    index = int(out.request_id)
+                    in_flight.discard(out.request_id)
+                    example = Example(list(out.prompt_token_ids), list(out.outputs[0].token_ids))
+                    done[index] = example
+                    sink.write(json.dumps({"index": index, **asdict(example)}) + "\n")
+                    sink.flush()
+                    bar.update()
+            admit()
+    return [done[i] for i in range(len(instructions)) if done[i].output_ids]
+
+
+@dataclass
+class Features:
+    """Every example's tokens and the target's hidden states, flat: example e owns rows
+    `offsets[e]:offsets[e+1]`, its answer from row `offsets[e] + prompt_lens[e]`."""
+
+    tokens: torch.Tensor  # [N] int64
+    offsets: torch.Tensor  # [E + 1] int64
+    prompt_lens: torch.Tensor  # [E] int64
+    hidden: dict[int, torch.Tensor]  # layer boundary -> [N, hidden] (see `ForwardOutput.hidden`)
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def save(self, path: Path) -> None:
+        tensors = {"tokens": self.tokens, "offsets": self.offsets, "prompt_lens": self.prompt_lens}
+        tensors.update({f"hidden.{k}": h.contiguous() for k, h in self.hidden.items()})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path))
+
+    @classmethod
+    def load(cls, path: Path) -> Features:
+        tensors = load_file(str(path))
+        hidden = {int(name.split(".")[1]): t for name, t in tensors.items() if name.startswith("hidden.")}
+        return cls(tensors["tokens"], tensors["offsets"], tensors["prompt_lens"], hidden)
+
+    def split(self, validation: float, seed: int) -> tuple[list[int], list[int]]:
+        """Example indices for training and validation (at least one each when there are two)."""
+        order = list(range(len(self)))
+        random.Random(seed).shuffle(order)
+        count = max(1, round(validation * len(order))) if len(order) > 1 else 0
+        return order[count:], order[:count]
+
+
+@torch.inference_mode()
+def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Sequence[int],
+            tokens_per_forward: int = 2048, progress: bool = True) -> Features:
+    """The target's hidden states over every example, several examples per prefill forward."""
+    block_size = 16
+    budget = max(tokens_per_forward, max(len(e.token_ids) for e in examples))
+    pool = -(-budget // block_size) + 64  # a forward's examples each waste under a block
+
+    def blocks(e: Example) -> int:
+        return -(-len(e.token_ids) // block_size)
+
+    runner = ModelRunner(model, KVCache.for_model(model.config, pool, block_size, model.dtype))
+    rows: dict[int, list[torch.Tensor]] = {k: [] for k in hidden_at}
+    batch: list[Example] = []
+
+    def flush() -> None:
+        requests, next_block = [], 0
+        for e in batch:
+            table = list(range(next_block, next_block + blocks(e)))
+            requests.append(TreeRequest(TokenTree.chain(e.token_ids), 0, table, "none"))
+            next_block += len(table)
+        for out in runner.forward(requests, hidden_at=hidden_at):
+            for k in hidden_at:
+                rows[k].append(out.hidden[k].clone())
+        batch.clear()
+
+    with tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states", unit="tok",
+              disable=not progress) as bar:
+        for e in examples:
+            if batch and (sum(len(b.token_ids) for b in batch) + len(e.token_ids) > budget
+                          or sum(blocks(b) for b in batch) + blocks(e) > pool):
+                flush()
+            batch.append(e)
+            bar.update(len(e.token_ids))
+        if batch:
+            flush()
+    lengths = torch.tensor([len(e.token_ids) for e in examples], dtype=torch.int64)
+    return Features(
+        tokens=torch.tensor([t for e in examples for t in e.token_ids], dtype=torch.int64),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        prompt_lens=torch.tensor([len(e.prompt_ids) for e in examples], dtype=torch.int64),
+        hidden={k: torch.cat(v) for k, v in rows.items()},
+    )

@@ -1,0 +1,263 @@
+"""`specserve train-drafter`: self-distil a drafter head for a target on this machine.
+
+    answers   the target answers GPTeacher instructions (greedy, batched, resumable)
+    states    one forward over every answer records the target's hidden states
+    vocab     the draft vocabulary: the answers' most frequent tokens
+    train     the head learns the target's next-token distribution over that vocabulary
+              (cross-entropy to its softmax) and, for a feature head, its next feature
+              (smooth L1), with noise on the input features as EAGLE trains for drafting on
+              its own imperfect features; top-1 agreement with the target on held-out answers
+              is reported every epoch
+    save      head.json + head.safetensors, loaded by `feature:DIR` / `early-exit:DIR`
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from drafters.heads import HEAD_KINDS, HeadConfig, save_head, target_fingerprint
+from specserve.training.data import (
+    DEFAULT_DATA,
+    Features,
+    GenerationSettings,
+    extract,
+    generate,
+    load_instructions,
+)
+from specserve.training.heads import TrainableHead
+
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    kind: str = "feature"
+    layer: int | None = None  # early-exit: K (default: a quarter of the target's layers)
+    epochs: int = 4
+    lr: float | None = None  # default: 1e-3 for a feature head (fresh), 3e-4 for early exit (from layer K)
+    batch_tokens: int = 4096  # padded tokens per optimizer step
+    draft_vocab: int = 8192  # tokens the head scores (the answers' most frequent)
+    validation: float = 0.05  # share of answers held out
+    noise: float = 0.1  # uniform noise on input features, relative to their RMS (feature head)
+    regression: float = 1.0  # weight of the feature regression (feature head)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"kind {self.kind!r}: use one of {', '.join(HEAD_KINDS)}")
+        if self.epochs < 1 or self.batch_tokens < 16 or self.draft_vocab < 2 or not 0 <= self.validation < 1:
+            raise ValueError("epochs >= 1, batch_tokens >= 16, draft_vocab >= 2 and 0 <= validation < 1, please")
+
+
+@dataclass
+class EpochReport:
+    epoch: int  # 0: before training
+    train_loss: float
+    val_loss: float
+    val_agreement: float  # top-1 of the head == the target's next token, on held-out answers
+    seconds: float
+
+
+def default_data_files() -> list[Path]:
+    return [SHARED_DATA / name for name in DEFAULT_DATA]
+
+
+def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
+                  generation: GenerationSettings | None = None, data: Sequence[Path] | None = None,
+                  dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True) -> HeadConfig:
+    """Generate (or reuse) the data, train a head, save it to `out`; returns its config."""
+    settings, generation = settings or TrainSettings(), generation or GenerationSettings()
+    from specserve.config import EngineConfig
+    from specserve.engine import LLMEngine
+    from specserve.pull import cache_dir, resolve_model
+
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    files = [Path(f) for f in (data or default_data_files())]
+    for f in files:
+        if not f.exists():
+            raise FileNotFoundError(f"training data {f} not found: pass --data with GPTeacher-style JSON files")
+    model_dir = resolve_model(target)
+    name = Path(model_dir).name
+    work = work_dir or cache_dir() / "train" / name
+    engine = LLMEngine(model_dir, dtype, EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024,
+                                                      speculation="off"))
+    model = engine.model
+    layer = settings.layer if settings.layer is not None else model.config.num_layers // 4
+    if settings.kind == "early-exit" and not 0 < layer < model.config.num_layers:
+        raise ValueError(f"early-exit layer {layer}: the target has {model.config.num_layers} layers; use 1.."
+                         f"{model.config.num_layers - 1}")
+    head_layer = layer if settings.kind == "early-exit" else model.config.num_layers
+
+    key = generation.key(files, name)
+    instructions = load_instructions(files, generation.samples, generation.seed)
+    examples = generate(engine, instructions, generation, work / f"answers-{key}.jsonl", progress=progress)
+    if len(examples) < 2:
+        raise ValueError(f"only {len(examples)} usable answers: raise --samples")
+    generated = time.perf_counter()
+    layers = sorted({head_layer, model.config.num_layers})
+    states_file = work / f"states-{key}-{len(examples)}-{model.dtype}-{'-'.join(map(str, layers))}.safetensors"
+    if states_file.exists():
+        features = Features.load(states_file)
+    else:
+        features = extract(model, examples, layers, progress=progress)
+        features.save(states_file)
+    train_ids, val_ids = features.split(settings.validation, settings.seed)
+    vocab_ids, coverage = draft_vocabulary(features, train_ids, settings.draft_vocab, model.config)
+    head = TrainableHead(model, settings.kind, layer, vocab_ids)
+    history = fit(head, features, train_ids, val_ids, settings, head_layer, model.config.num_layers, progress)
+    seconds = time.perf_counter() - started
+    config = HeadConfig(
+        kind=settings.kind, target=name, target_fingerprint=target_fingerprint(model_dir), layer=head_layer,
+        vocab_size=len(vocab_ids),
+        training={
+            "settings": asdict(settings), "generation": asdict(generation),
+            "data": [f.name for f in files], "answers": len(examples),
+            "train_tokens": int(sum(_answer_rows(features, i) for i in train_ids)),
+            "draft_vocab_coverage": coverage, "epochs": [asdict(h) for h in history],
+            "val_agreement": history[-1].val_agreement, "generate_seconds": round(generated - started, 1),
+            "wall_seconds": round(seconds, 1), "dtype": str(model.dtype),
+        })
+    save_head(Path(out), config, head.tensors())
+    return config
+
+
+def _answer_rows(features: Features, example: int) -> int:
+    return int(features.offsets[example + 1] - features.offsets[example] - features.prompt_lens[example])
+
+
+def draft_vocabulary(features: Features, examples: Sequence[int], size: int, config) -> tuple[torch.Tensor, float]:
+    """The `size` tokens most frequent in the training answers, plus EOS/BOS; and the share of
+    answer tokens they cover."""
+    answers = torch.cat([features.tokens[features.offsets[e] + features.prompt_lens[e]: features.offsets[e + 1]]
+                         for e in examples])
+    counts = torch.bincount(answers, minlength=config.vocab_size)
+    special = [t for t in (config.bos_token_id, *config.eos_token_ids) if t is not None]
+    top = counts.topk(min(size, config.vocab_size)).indices
+    ids = torch.cat([top, torch.tensor(special, dtype=torch.int64)]).unique()
+    return ids, float(counts[ids].sum() / counts.sum())
+
+
+def _batches(features: Features, examples: Sequence[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Examples of similar length together (little padding), up to `batch_tokens` padded tokens."""
+    order = sorted(examples, key=lambda e: int(features.offsets[e + 1] - features.offsets[e]))
+    batches, batch, longest = [], [], 0
+    for e in order:
+        length = int(features.offsets[e + 1] - features.offsets[e])
+        if batch and max(longest, length) * (len(batch) + 1) > batch_tokens:
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(e)
+        longest = max(longest, length)
+    if batch:
+        batches.append(batch)
+    rng.shuffle(batches)
+    return batches
+
+
+def _batch_tensors(features: Features, batch: list[int], input_layer: int, final_layer: int, kind: str):
+    """Padded tokens, head inputs, target features and the loss mask of a batch."""
+    lengths = [int(features.offsets[e + 1] - features.offsets[e]) for e in batch]
+    width = max(lengths)
+    hidden = features.hidden[final_layer].shape[1]
+    tokens = torch.zeros(len(batch), width, dtype=torch.int64)
+    inputs = torch.zeros(len(batch), width, hidden)
+    target = torch.zeros(len(batch), width, hidden)
+    mask = torch.zeros(len(batch), width, dtype=torch.bool)
+    for row, (e, length) in enumerate(zip(batch, lengths, strict=True)):
+        start = int(features.offsets[e])
+        tokens[row, :length] = features.tokens[start: start + length]
+        final = features.hidden[final_layer][start: start + length].float()
+        target[row, :length] = final
+        if kind == "feature":  # row i reads f_{i-1}; row 0 reads zeros
+            inputs[row, 1:length] = final[:-1]
+        else:
+            inputs[row, :length] = features.hidden[input_layer][start: start + length].float()
+        # Rows that guess an answer token: from the prompt's last row to the one before the end.
+        mask[row, int(features.prompt_lens[e]) - 1: length - 1] = True
+    next_tokens = torch.zeros_like(tokens)
+    next_tokens[:, :-1] = tokens[:, 1:]
+    return tokens, inputs, target, mask, next_tokens
+
+
+def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool):
+    tokens, inputs, target, mask, next_tokens = batch
+    if noise and head.kind == "feature" and settings.noise > 0:
+        scale = inputs.pow(2).mean().sqrt() * settings.noise
+        inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * scale
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, out = head(tokens, inputs)
+    logits, out = logits[mask].float(), out[mask].float()
+    with torch.no_grad():
+        teacher = F.softmax(head.teacher_logits(target[mask]), dim=-1)
+    loss = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+    if head.kind == "feature":
+        loss = loss + settings.regression * F.smooth_l1_loss(out, target[mask])
+    agree = (logits.argmax(-1) == _vocab_index(head, next_tokens[mask])).sum()
+    return loss, int(agree), int(mask.sum())
+
+
+def _vocab_index(head: TrainableHead, tokens: torch.Tensor) -> torch.Tensor:
+    """Positions of tokens in the draft vocabulary (-1 for tokens outside it: never agreed with)."""
+    lookup = torch.full((int(head.vocab_ids.max()) + 2,), -1, dtype=torch.int64)
+    lookup[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+    return lookup[tokens.clamp(max=len(lookup) - 1)]
+
+
+def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_ids: Sequence[int],
+        settings: TrainSettings, input_layer: int, final_layer: int, progress: bool = True) -> list[EpochReport]:
+    rng = random.Random(settings.seed)
+    lr = settings.lr or (1e-3 if head.kind == "feature" else 3e-4)
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    steps_per_epoch = len(_batches(features, train_ids, settings.batch_tokens, rng))
+    total = steps_per_epoch * settings.epochs
+    warmup = max(1, total // 20)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    history = [EpochReport(0, math.nan, *evaluate(head, features, val_ids, settings, input_layer, final_layer), 0.0)]
+    with tqdm(total=total, desc=f"train {head.kind} head", unit="step", disable=not progress) as bar:
+        for epoch in range(1, settings.epochs + 1):
+            start, losses = time.perf_counter(), []
+            head.train()
+            for batch in _batches(features, train_ids, settings.batch_tokens, rng):
+                loss, _, _ = _loss(head, _batch_tensors(features, batch, input_layer, final_layer, head.kind),
+                                   settings, noise=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                scheduler.step()
+                losses.append(loss.item())
+                bar.update()
+                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            val_loss, agreement = evaluate(head, features, val_ids, settings, input_layer, final_layer)
+            history.append(EpochReport(epoch, sum(losses) / len(losses), val_loss, agreement,
+                                       round(time.perf_counter() - start, 1)))
+            bar.write(f"epoch {epoch}: train loss {history[-1].train_loss:.3f}, validation loss {val_loss:.3f}, "
+                      f"top-1 agreement with the target {agreement:.1%}")
+    return history
+
+
+@torch.no_grad()
+def evaluate(head: TrainableHead, features: Features, examples: Sequence[int], settings: TrainSettings,
+             input_layer: int, final_layer: int) -> tuple[float, float]:
+    """Validation loss (per row) and top-1 agreement with the target's next token."""
+    head.eval()
+    total_loss = agreed = rows = 0
+    for batch in _batches(features, examples, settings.batch_tokens, random.Random(0)):
+        loss, agree, count = _loss(head, _batch_tensors(features, batch, input_layer, final_layer, head.kind),
+                                   settings, noise=False)
+        total_loss += float(loss) * count
+        agreed += agree
+        rows += count
+    return total_loss / max(rows, 1), agreed / max(rows, 1)

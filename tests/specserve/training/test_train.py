@@ -1,0 +1,88 @@
+"""`specserve train-drafter` really learns, and writes a head the engine drafts with losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafters.heads import HeadConfig
+from specserve.config import EngineConfig
+from specserve.engine import LLMEngine
+from specserve.sampling import SamplingParams
+from specserve.training.data import GenerationSettings, load_instructions
+from specserve.training.train import TrainSettings, train_drafter
+
+TOPICS = ["the sea", "a robot", "my garden", "trains", "the moon", "a detective", "pizza", "winter", "music",
+          "a castle", "rain", "a library"]
+
+
+@pytest.fixture(scope="module")
+def peaked_chat_model(smollm2_path, tmp_path_factory, make_tiny_checkpoint):
+    """A tiny random Llama with SmolLM2's tokenizer whose next-token distributions are peaked
+    (large initial weights): its answers follow from their context, so a head can learn them."""
+    import shutil
+
+    directory = make_tiny_checkpoint(tmp_path_factory.mktemp("peaked-chat"), vocab_size=49152, eos_token_id=2,
+                                     bos_token_id=1, max_position_embeddings=2048, initializer_range=1.0,
+                                     num_hidden_layers=3)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_path / name).exists():
+            shutil.copy(smollm2_path / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def instructions(tmp_path_factory):
+    """A GPTeacher-style file (instruction + optional input) of 48 made-up requests."""
+    records = [{"instruction": f"Write two sentences about {topic}.", "input": "" if i % 2 else f"Style {i}",
+                "output": "unused"} for i, topic in enumerate(TOPICS * 4)]
+    path = tmp_path_factory.mktemp("data") / "instructions.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_instructions_join_the_input_and_shuffle_by_seed(instructions):
+    turns = load_instructions([instructions], 48, seed=0)
+    assert len(turns) == 48 and turns != load_instructions([instructions], 48, seed=1)
+    assert any(t.endswith("\n\nStyle 0") for t in turns)
+    assert sorted(turns) == sorted(load_instructions([instructions], 48, seed=1))
+
+
+@pytest.mark.parametrize("kind", ["feature", "early-exit"])
+def test_training_lowers_validation_loss_and_raises_agreement(peaked_chat_model, instructions, tmp_path, kind):
+    out = tmp_path / "head"
+    config = train_drafter(
+        str(peaked_chat_model), out,
+        TrainSettings(kind=kind, layer=1, epochs=8, lr=3e-3, batch_tokens=512, draft_vocab=512, validation=0.25),
+        GenerationSettings(samples=48, max_new_tokens=32), data=[instructions], dtype="float32",
+        work_dir=tmp_path / "work", progress=False)
+    epochs = config.training["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(9))
+    assert epochs[-1]["val_loss"] < 0.9 * epochs[0]["val_loss"]
+    assert epochs[-1]["val_agreement"] > epochs[0]["val_agreement"] + 0.05
+    saved = HeadConfig.load(out)
+    assert saved.kind == kind and saved.layer == (1 if kind == "early-exit" else 3) and saved.vocab_size >= 512
+
+    # The head drafts for the engine, and greedy output stays the target's own.
+    prompts = [[1, 504, 3115, 28, 253, 1935, 30]] * 2 + [[1, 9690, 314, 253, 1789, 28]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(draft: str) -> list[list[int]]:
+        engine = LLMEngine(peaked_chat_model, "float32", EngineConfig(draft=draft, speculation="fixed",
+                                                                   max_tree_tokens=6, kv_cache_memory="16MiB"))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, greedy)
+        done = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                engine.check_invariants()
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return [done[str(i)] for i in range(len(prompts))], engine
+
+    plain, _ = run("none")
+    speculative, engine = run(f"{kind}:{out}")
+    assert speculative == plain
+    assert engine.metrics.spec.drafted_tokens > 0
