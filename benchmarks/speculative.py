@@ -19,9 +19,12 @@
     (two plain engines side by side were measurably slower with varied lengths than with equal
     ones).
 
+(d) SmolLM2 with its trained heads (feature, early exit) against the untrained early exit,
+    n-gram lookup and a merge, as (b) but 128 new tokens; means over the categories too.
+
 EOS is ignored everywhere so that every run generates the same number of tokens.
 
-    python benchmarks/speculative.py --parts a,b,c [--repeats 3]
+    python benchmarks/speculative.py --parts a,b,c,d [--repeats 3]
 """
 
 from __future__ import annotations
@@ -198,46 +201,71 @@ def part_a(args) -> None:
 
 
 def part_b(args) -> None:
+    drafters = ["ngram", f"early-exit:{args.early_exit}", f"ngram+early-exit:{args.early_exit}"]
+    per_category(args, "b", drafters, args.max_tokens_b)
+
+
+def part_d(args) -> None:
+    per_category(args, "d", [d.strip() for d in args.drafters_d.split(",")], args.max_tokens_d)
+
+
+def per_category(args, part: str, drafters: list[str], max_tokens: int) -> None:
+    """Each drafter against no speculation on the same engine, prompt by prompt (interleaved),
+    at batch 1; speed-up and MAT per Spec-Bench category, and their means over categories."""
+    parts = list(dict.fromkeys(p for d in drafters for p in d.split("+")))  # every part loads at start
     engine = LLMEngine(resolve_model(args.model), "bfloat16",
-                       EngineConfig(draft="ngram", speculation=args.speculation, kv_cache_memory="1GiB",
-                                    max_tree_tokens=args.tree_tokens))
-    configs = {"no-spec": {"enabled": False}, "ngram": {"drafter": "ngram"},
-               f"early-exit:{args.early_exit}": {"drafter": f"early-exit:{args.early_exit}"},
-               f"ngram+early-exit:{args.early_exit}": {"drafter": f"ngram+early-exit:{args.early_exit}"}}
+                       EngineConfig(draft="+".join(parts), speculation=args.speculation, kv_cache_memory="1GiB",
+                                    max_tree_tokens=args.tree_tokens, draft_top_k=args.top_k, draft_beam=args.beam))
+    configs = {"no-spec": {"enabled": False}, **{d: {"drafter": d} for d in drafters}}
     by_category = {c: [engine.encode(q, chat=True) for q in qs[: args.per_category]]
                    for c, qs in questions(args.questions).items()}
     first = next(iter(by_category.values()))[0]
     for spec in configs.values():
-        run(engine, [first], 8, spec)
+        run(engine, [first], 16, spec)
     runs: dict[str, dict[str, list[dict]]] = {c: {name: [] for name in configs} for c in by_category}
     for _ in range(args.repeats):
-        for category, prompts in tqdm(by_category.items(), desc="(b) categories", unit="category"):
+        for category, prompts in tqdm(by_category.items(), desc=f"({part}) categories", unit="category"):
             for prompt in prompts:
                 for name, spec in configs.items():
-                    runs[category][name].append(run(engine, [prompt], args.max_tokens_b, spec))
-    summary = {}
-    rows = []
+                    runs[category][name].append(run(engine, [prompt], max_tokens, spec))
+    summary, rows = {}, []
     for category, by_config in runs.items():
         plain = median([r["tok_s"] for r in by_config["no-spec"]])
         entry = {"no-spec tok/s": plain}
         row = [category, f"{plain:.1f}"]
-        for name in list(configs)[1:]:
+        for name in drafters:
             rate = median([r["tok_s"] for r in by_config[name]])
             mats = [r["mat"] for r in by_config[name] if r["mat"]]
             entry[name] = {"tok_s": rate, "speedup": rate / plain, "mat": median(mats) if mats else None}
             row += [f"{rate / plain:.2f}x", "-" if not mats else f"{median(mats):.2f}"]
         summary[category] = entry
         rows.append(row)
-    same = all(a["token_ids"] == b["token_ids"] for by_config in runs.values() for name in list(configs)[1:]
+    means = {name: {"speedup": statistics.mean(e[name]["speedup"] for e in summary.values()),
+                    "mat": statistics.mean(e[name]["mat"] or 1.0 for e in summary.values())} for name in drafters}
+    rows.append(["**mean**", f"{statistics.mean(e['no-spec tok/s'] for e in summary.values()):.1f}"]
+                + [x for name in drafters for x in (f"**{means[name]['speedup']:.2f}x**",
+                                                    f"**{means[name]['mat']:.2f}**")])
+    same = all(a["token_ids"] == b["token_ids"] for by_config in runs.values() for name in drafters
                for a, b in zip(by_config["no-spec"], by_config[name], strict=True))
-    header = ["category", "no-spec tok/s"] + [h for name in list(configs)[1:] for h in (f"{name} speed-up", "MAT")]
-    result = {"machine": _machine(), "model": args.model, "max_tokens": args.max_tokens_b,
+    agreement = {name: statistics.mean(_common_prefix(a["token_ids"][0], b["token_ids"][0])
+                                       / max(1, len(a["token_ids"][0])) for by_config in runs.values()
+                                       for a, b in zip(by_config["no-spec"], by_config[name], strict=True))
+                 for name in drafters}
+    header = ["category", "no-spec tok/s"] + [h for name in drafters for h in (f"{name} speed-up", "MAT")]
+    result = {"machine": _machine(), "model": args.model, "max_tokens": max_tokens,
               "per_category": args.per_category, "repeats": args.repeats, "speculation": args.speculation,
-              "summary": summary, "identical_to_no_spec": same}
-    caption = (f"(b) {args.model}, bfloat16, batch 1, {args.max_tokens_b} new tokens, Spec-Bench first turns "
-               f"({args.per_category} per category x {args.repeats}), median; speculation {args.speculation}, cap "
-               f"{args.tree_tokens}. Speculative tokens identical to no-spec: {same}.")
-    write_report(args.out + "-b", result, caption, header, rows)
+              "tree_tokens": args.tree_tokens, "top_k": args.top_k, "beam": args.beam,
+              "summary": summary, "mean_over_categories": means, "identical_to_no_spec": same,
+              "agreement_with_no_spec": agreement,
+              "engine_metrics": {"draft_s": engine.metrics.draft_s, "target_s": engine.metrics.target_s,
+                                 "verify_s": engine.metrics.verify_s}}
+    caption = (f"({part}) {args.model}, bfloat16, {torch.get_num_threads()} threads, batch 1, {max_tokens} new tokens, "
+               f"greedy, Spec-Bench first turns ({args.per_category} per category x {args.repeats}), median per "
+               f"category; the mean row averages the categories. Speculation {args.speculation}, cap "
+               f"{args.tree_tokens}, model drafters top-k {args.top_k}, beam {args.beam}. Speculative tokens identical "
+               f"to no-spec: {same} (bf16 rounding depends on a forward's shape); mean share of tokens before the "
+               f"first difference: " + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items()) + ".")
+    write_report(f"{args.out}-{part}", result, caption, header, rows)
 
 
 # -- (c) SmolLM2 under load ---------------------------------------------------------------------------
@@ -325,6 +353,9 @@ def main() -> None:
     parser.add_argument("--early-exit", type=int, default=15)
     parser.add_argument("--per-category", type=int, default=3)
     parser.add_argument("--max-tokens-b", type=int, default=64)
+    parser.add_argument("--max-tokens-d", type=int, default=128)
+    parser.add_argument("--drafters-d", default="early-exit:15,early-exit:trained,feature,ngram,feature+ngram",
+                        help="(d) drafter specs compared with no speculation, comma-separated")
     parser.add_argument("--draft-c", default="ngram")
     parser.add_argument("--length-spread", type=float, default=0.5,
                         help="(c) request lengths vary uniformly by this share of --max-tokens-b (0: all equal)")
@@ -337,7 +368,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "speculative"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    parts = {"a": part_a, "b": part_b, "c": part_c}
+    parts = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}
     for part in args.parts.split(","):
         parts[part.strip()](args)
 

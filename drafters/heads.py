@@ -84,13 +84,27 @@ def save_head(directory: Path, config: HeadConfig, tensors: dict[str, torch.Tens
 
 
 def target_fingerprint(model_dir: Path) -> str:
-    """Identifies a target's weights without reading them all: its config and, per checkpoint
-    file, the size and the first MiB (which holds the header and the first tensors)."""
-    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    """Identifies a target's weights without reading them all: its shape, and a few rows of its
+    embeddings, final norm and last layer rounded to bf16 (so the same weights saved in fp32 or
+    bf16, or by another transformers version, give the same fingerprint)."""
+    from safetensors import safe_open
+
+    config = ModelConfig.from_dir(model_dir)
+    shape = [config.model_type, config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers,
+             config.num_heads, config.num_kv_heads, config.head_dim]
+    digest = hashlib.sha256(json.dumps(shape).encode())
+    wanted = ["embed_tokens.weight", "norm.weight", f"layers.{config.num_layers - 1}.mlp.down_proj.weight"]
+    found: dict[str, torch.Tensor] = {}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
-        digest.update(f"{file.name}:{file.stat().st_size}".encode())
-        with file.open("rb") as f:
-            digest.update(f.read(2**20))
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                short = name.removeprefix("model.")
+                if short in wanted and short not in found:
+                    found[short] = f.get_slice(name)[:4]
+    for name in wanted:
+        if name not in found:
+            raise ValueError(f"{model_dir} has no tensor {name!r}: is it a Llama-family checkpoint?")
+        digest.update(found[name].to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -165,7 +179,8 @@ class HeadDrafter(TreeSearchDrafter):
         config = HeadConfig.load(directory)
         model = target.runner.model
         if config.kind != self.kind:
-            raise ValueError(f"{directory} holds a {config.kind} head, not a {self.kind} head: use "
+            article = "an" if self.kind[0] in "aeiou" else "a"
+            raise ValueError(f"{directory} holds a {config.kind} head, not {article} {self.kind} head: use "
                              f"{config.kind}:{directory}")
         if target.model_dir is not None and config.target_fingerprint != target_fingerprint(target.model_dir):
             raise ValueError(f"drafter head {directory} was trained for {config.target!r}, not the target this "

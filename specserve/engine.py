@@ -49,6 +49,7 @@ from specserve.verify import Verdict, verify
 logger = logging.getLogger("specserve")
 
 Prompt = str | list[int]
+OWN_KV_KINDS = ("model", "feature", "early-exit-head")  # drafter kinds with K/V of their own in the pool
 
 
 @dataclass
@@ -269,17 +270,19 @@ class LLMEngine:
                                                        self.config.max_num_batched_tokens, self.model_path)
 
     def _build_drafter(self, spec: str, at_start: bool) -> Drafter | None:
-        """A drafter for `spec`, reusing parts already built. Draft models load only at start-up,
-        where their K/V are counted into the pool; requests may name them afterwards."""
+        """A drafter for `spec`, reusing parts already built. Drafters with K/V of their own (draft
+        models, trained heads) load only at start-up, where their K/V are counted into the pool;
+        requests may name them afterwards."""
         if at_start and self.config.speculation == "off":
             return None
 
         def part(p: DrafterSpec) -> Drafter:
             key = str(p)
             if key not in self._parts:
-                if p.kind == "model" and not at_start:
-                    raise ValueError(f"draft model {key!r} is not loaded: start the engine with --draft {key} "
-                                     "(or a spec containing it) to use it per request")
+                if p.kind in OWN_KV_KINDS and not at_start:
+                    raise ValueError(f"drafter {key!r} is not loaded (its K/V share the pool, sized at start-up): "
+                                     f"start the engine with --draft {key} (or a spec containing it) to use it per "
+                                     "request")
                 drafter = build_part_drafter(p, self._draft_options)
                 if self._draft_target is not None:
                     drafter.attach(self._draft_target)

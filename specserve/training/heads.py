@@ -8,6 +8,8 @@ vocabulary) are frozen copies; only the head's own weights train.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,8 @@ from torch import nn
 from specserve.models.config import ModelConfig
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 from specserve.models.rope import apply_rotary
+
+KV = tuple[torch.Tensor, torch.Tensor]  # a layer's keys and values, [batch, heads, tokens, dim]
 
 
 class TrainableLayer(nn.Module):
@@ -34,7 +38,10 @@ class TrainableLayer(nn.Module):
         self.input_layernorm = nn.Parameter(torch.ones(hidden))
         self.post_attention_layernorm = nn.Parameter(torch.ones(hidden))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[torch.Tensor, KV]:
+        """The layer's output and its K/V. `past`: the K/V of the earlier passes of an unrolled
+        run (see `unrolled_mask`); none: plain causal attention."""
         batch, tokens, _ = x.shape
         h = rms_norm(x, self.input_layernorm, self.eps)
         q = apply_rotary(self.q_proj(h).view(batch, tokens, self.heads, self.dim), cos, sin)
@@ -43,10 +50,15 @@ class TrainableLayer(nn.Module):
         group = self.heads // self.kv_heads
         q, k, v = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(group, 1), v.transpose(1, 2).repeat_interleave(
             group, 1)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.dim**-0.5)
+        if past:
+            keys, values = torch.cat([pk for pk, _ in past] + [k], 2), torch.cat([pv for _, pv in past] + [v], 2)
+            mask = unrolled_mask(tokens, len(past) + 1, x.device)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.dim**-0.5)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.dim**-0.5)
         x = x + self.o_proj(attended.transpose(1, 2).reshape(batch, tokens, -1))
         h = rms_norm(x, self.post_attention_layernorm, self.eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), (k, v)
 
     def copy_from(self, layer: DecoderLayer) -> None:
         """Start from one of the target's layers (an early-exit head starts as layer K)."""
@@ -75,6 +87,18 @@ class TrainableLayer(nn.Module):
         for name in ("gate_proj", "up_proj", "down_proj"):
             out.update(_linear(f"mlp.{name}", getattr(self, name)))
         return {k: v.detach() for k, v in out.items()}
+
+
+def unrolled_mask(tokens: int, depth: int, device: torch.device) -> torch.Tensor:
+    """What row i of pass `depth` (1-based) of an unrolled run attends to, over the keys of
+    passes 1..depth side by side: a drafted node at depth d whose root is at position i - d + 1
+    sees the committed rows up to its root (pass 1: true features) and its drafted ancestors,
+    the rows i - d + e of passes e = 2..d (each fed the feature its parent predicted), itself
+    last. So training unrolls the head exactly as drafting runs it (EAGLE-3's training-time test)."""
+    rows = torch.arange(tokens, device=device)[:, None]
+    cols = torch.arange(tokens, device=device)[None, :]
+    blocks = [cols <= rows - depth + 1] + [cols == rows - (depth - e) for e in range(2, depth + 1)]
+    return torch.cat(blocks, dim=1)
 
 
 def _linear(prefix: str, module: nn.Linear) -> dict[str, torch.Tensor]:
@@ -112,17 +136,19 @@ class TrainableHead(nn.Module):
         cos, sin = self.rotary(torch.arange(tokens))
         return cos.float(), sin.float()
 
-    def forward(self, tokens: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits over the draft vocabulary and the head's output states, `[B, T, .]`.
-        `inputs`: the feature head's previous features (row i: f_{i-1}), or the early-exit
-        head's stream entering layer K (row i: its own)."""
+    def forward(self, tokens: torch.Tensor, inputs: torch.Tensor,
+                past: Sequence[KV] = ()) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        """Draft logits over the draft vocabulary, the head's output states (`[B, T, .]`) and
+        its K/V. `inputs`: the feature head's previous features (row i: f_{i-1}), or the
+        early-exit head's stream entering layer K (row i: its own). `past`: the K/V of the
+        earlier passes of an unrolled feature head (`unrolled_mask`)."""
         cos, sin = self.rope(tokens.shape[1])
         if self.kind == "feature":
             x = self.fc(torch.cat([inputs, F.embedding(tokens, self.embed)], dim=-1))
-            out = self.layer(x, cos, sin)
-            return out @ self.lm_head.T, out
-        out = self.layer(inputs, cos, sin)
-        return rms_norm(out, self.norm, self.eps) @ self.lm_head.T, out
+            out, kv = self.layer(x, cos, sin, past)
+            return out @ self.lm_head.T, out, kv
+        out, kv = self.layer(inputs, cos, sin)
+        return rms_norm(out, self.norm, self.eps) @ self.lm_head.T, out, kv
 
     def teacher_logits(self, features: torch.Tensor) -> torch.Tensor:
         """The target's logits over the draft vocabulary from its final-normed states."""

@@ -17,7 +17,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,13 +49,18 @@ class TrainSettings:
     validation: float = 0.05  # share of answers held out
     noise: float = 0.1  # uniform noise on input features, relative to their RMS (feature head)
     regression: float = 1.0  # weight of the feature regression (feature head)
+    # Feature head: passes of training-time test, each feeding the head the features it predicted
+    # in the last, as drafting does at depths 2, 3, ... (`specserve.training.heads.unrolled_mask`).
+    unroll: int = 3
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"kind {self.kind!r}: use one of {', '.join(HEAD_KINDS)}")
-        if self.epochs < 1 or self.batch_tokens < 16 or self.draft_vocab < 2 or not 0 <= self.validation < 1:
-            raise ValueError("epochs >= 1, batch_tokens >= 16, draft_vocab >= 2 and 0 <= validation < 1, please")
+        if (self.epochs < 1 or self.batch_tokens < 16 or self.draft_vocab < 2 or not 0 <= self.validation < 1
+                or self.unroll < 1):
+            raise ValueError("epochs >= 1, batch_tokens >= 16, draft_vocab >= 2, 0 <= validation < 1 and unroll >= 1, "
+                             "please")
 
 
 @dataclass
@@ -65,6 +70,7 @@ class EpochReport:
     val_loss: float
     val_agreement: float  # top-1 of the head == the target's next token, on held-out answers
     seconds: float
+    val_agreement_by_depth: list[float] = field(default_factory=list)  # feature head: its own features fed back
 
 
 def default_data_files() -> list[Path]:
@@ -189,21 +195,30 @@ def _batch_tensors(features: Features, batch: list[int], input_layer: int, final
     return tokens, inputs, target, mask, next_tokens
 
 
-def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool):
+def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool) -> tuple[torch.Tensor, list[int], int]:
+    """The loss (mean over passes), the rows whose top-1 guess is the target's next token per
+    pass (pass d: drafting depth d), and the rows counted."""
     tokens, inputs, target, mask, next_tokens = batch
     if noise and head.kind == "feature" and settings.noise > 0:
         scale = inputs.pow(2).mean().sqrt() * settings.noise
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * scale
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, out = head(tokens, inputs)
-    logits, out = logits[mask].float(), out[mask].float()
     with torch.no_grad():
         teacher = F.softmax(head.teacher_logits(target[mask]), dim=-1)
-    loss = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-    if head.kind == "feature":
-        loss = loss + settings.regression * F.smooth_l1_loss(out, target[mask])
-    agree = (logits.argmax(-1) == _vocab_index(head, next_tokens[mask])).sum()
-    return loss, int(agree), int(mask.sum())
+        wanted = _vocab_index(head, next_tokens[mask])
+    passes = settings.unroll if head.kind == "feature" else 1
+    loss, agreed, past = torch.zeros(()), [], []
+    for _ in range(passes):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, out, kv = head(tokens, inputs, past)
+        past.append(kv)
+        rows, states = logits[mask].float(), out[mask].float()
+        loss = loss - (teacher * F.log_softmax(rows, dim=-1)).sum(-1).mean()
+        if head.kind == "feature":
+            loss = loss + settings.regression * F.smooth_l1_loss(states, target[mask])
+        agreed.append(int((rows.argmax(-1) == wanted).sum()))
+        # The next pass: row i reads the feature row i - 1 predicted (a drafted node its parent's).
+        inputs = F.pad(out[:, :-1].float(), (0, 0, 1, 0))
+    return loss / passes, agreed, int(mask.sum())
 
 
 def _vocab_index(head: TrainableHead, tokens: torch.Tensor) -> torch.Tensor:
@@ -224,7 +239,11 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
     warmup = max(1, total // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    history = [EpochReport(0, math.nan, *evaluate(head, features, val_ids, settings, input_layer, final_layer), 0.0)]
+    def report(epoch: int, train_loss: float, seconds: float) -> EpochReport:
+        loss, by_depth = evaluate(head, features, val_ids, settings, input_layer, final_layer)
+        return EpochReport(epoch, train_loss, loss, by_depth[0], round(seconds, 1), by_depth)
+
+    history = [report(0, math.nan, 0.0)]
     with tqdm(total=total, desc=f"train {head.kind} head", unit="step", disable=not progress) as bar:
         for epoch in range(1, settings.epochs + 1):
             start, losses = time.perf_counter(), []
@@ -240,24 +259,25 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
                 losses.append(loss.item())
                 bar.update()
                 bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-            val_loss, agreement = evaluate(head, features, val_ids, settings, input_layer, final_layer)
-            history.append(EpochReport(epoch, sum(losses) / len(losses), val_loss, agreement,
-                                       round(time.perf_counter() - start, 1)))
-            bar.write(f"epoch {epoch}: train loss {history[-1].train_loss:.3f}, validation loss {val_loss:.3f}, "
-                      f"top-1 agreement with the target {agreement:.1%}")
+            history.append(report(epoch, sum(losses) / len(losses), time.perf_counter() - start))
+            depths = ", ".join(f"{a:.1%}" for a in history[-1].val_agreement_by_depth)
+            bar.write(f"epoch {epoch}: train loss {history[-1].train_loss:.3f}, validation loss "
+                      f"{history[-1].val_loss:.3f}, top-1 agreement with the target {depths} (by drafting depth)")
     return history
 
 
 @torch.no_grad()
 def evaluate(head: TrainableHead, features: Features, examples: Sequence[int], settings: TrainSettings,
-             input_layer: int, final_layer: int) -> tuple[float, float]:
-    """Validation loss (per row) and top-1 agreement with the target's next token."""
+             input_layer: int, final_layer: int) -> tuple[float, list[float]]:
+    """Validation loss (per row) and top-1 agreement with the target's next token, per pass
+    (drafting depth: depth d's rows read the features the head predicted d - 1 times over)."""
     head.eval()
-    total_loss = agreed = rows = 0
+    total_loss = rows = 0
+    agreed: list[int] = []
     for batch in _batches(features, examples, settings.batch_tokens, random.Random(0)):
         loss, agree, count = _loss(head, _batch_tensors(features, batch, input_layer, final_layer, head.kind),
                                    settings, noise=False)
         total_loss += float(loss) * count
-        agreed += agree
+        agreed = [a + b for a, b in zip(agreed, agree, strict=True)] if agreed else agree
         rows += count
-    return total_loss / max(rows, 1), agreed / max(rows, 1)
+    return total_loss / max(rows, 1), [a / max(rows, 1) for a in agreed]

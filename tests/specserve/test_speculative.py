@@ -70,6 +70,9 @@ DRAFTERS = {  # every kind of drafter, and a merge of two (model drafters grow s
                         draft_quantization="int8"),
     "early-exit": dict(draft="early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
     "merged": dict(draft="ngram+early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
+    # the heads shipped for SmolLM2 (drafters/trained/), trained on its bf16 states: served here in fp32
+    "feature-head": dict(draft="feature", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
+    "early-exit-head": dict(draft="early-exit:trained", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
 }
 
 
@@ -318,9 +321,26 @@ def test_adaptive_speculation_calibrates_once_per_machine(small_vocab_model, tmp
     assert again.block_manager.num_free_blocks == again.block_manager.num_blocks
 
 
+def test_head_errors_say_what_to_change(small_vocab_model, small_vocab_heads, tiny_checkpoint, tmp_path):
+    engine = make_engine(small_vocab_model, draft="ngram")
+    with pytest.raises(ValueError, match="is not loaded .* start the engine with --draft"):  # its K/V need the pool
+        engine.add_request("x", PATTERN_PROMPT, SamplingParams(speculation={"drafter": "feature"}))
+    with pytest.raises(FileNotFoundError, match="train-drafter"):
+        make_engine(small_vocab_model, draft=f"feature:{tmp_path}")
+    with pytest.raises(ValueError, match="holds a feature head, not an early-exit head"):
+        make_engine(small_vocab_model, draft=f"early-exit:{small_vocab_heads['feature']}")
+    with pytest.raises(ValueError, match="no shipped feature head for this target"):
+        make_engine(small_vocab_model, draft="feature")
+    other = tiny_checkpoint(vocab_size=VOCAB, eos_token_id=7, bos_token_id=0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (other / name).write_bytes((small_vocab_model / name).read_bytes())
+    with pytest.raises(ValueError, match="was trained for 'vocab8', not the target this engine serves"):
+        make_engine(other, draft=f"feature:{small_vocab_heads['feature']}")
+
+
 def test_drafter_errors_say_what_to_change(small_vocab_model, small_vocab_draft):
     engine = make_engine(small_vocab_model, draft="ngram")
-    with pytest.raises(ValueError, match="is not loaded: start the engine with --draft"):
+    with pytest.raises(ValueError, match="is not loaded .* start the engine with --draft"):
         engine.add_request("x", PATTERN_PROMPT, SamplingParams(speculation={"drafter": str(small_vocab_draft)}))
     with pytest.raises(ValueError, match=r"early exit needs K in \[1, 1\]"):
         make_engine(small_vocab_model, draft="early-exit:5")
