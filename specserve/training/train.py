@@ -66,7 +66,7 @@ class TrainSettings:
 @dataclass
 class EpochReport:
     epoch: int  # 0: before training
-    train_loss: float
+    train_loss: float | None  # None before training
     val_loss: float
     val_agreement: float  # top-1 of the head == the target's next token, on held-out answers
     seconds: float
@@ -239,11 +239,11 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
     warmup = max(1, total // 20)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    def report(epoch: int, train_loss: float, seconds: float) -> EpochReport:
+    def report(epoch: int, train_loss: float | None, seconds: float) -> EpochReport:
         loss, by_depth = evaluate(head, features, val_ids, settings, input_layer, final_layer)
         return EpochReport(epoch, train_loss, loss, by_depth[0], round(seconds, 1), by_depth)
 
-    history = [report(0, math.nan, 0.0)]
+    history = [report(0, None, 0.0)]
     with tqdm(total=total, desc=f"train {head.kind} head", unit="step", disable=not progress) as bar:
         for epoch in range(1, settings.epochs + 1):
             start, losses = time.perf_counter(), []
