@@ -211,11 +211,15 @@ def part_d(args) -> None:
 
 def per_category(args, part: str, drafters: list[str], max_tokens: int) -> None:
     """Each drafter against no speculation on the same engine, prompt by prompt (interleaved),
-    at batch 1; speed-up and MAT per Spec-Bench category, and their means over categories."""
+    at batch 1; speed-up and MAT per Spec-Bench category, and their means over categories.
+    (Until `d` came, part b ran with prefix caching on, so every configuration after the first
+    found its prompt cached: its long-prompt categories, summarization and rag, overstate.)"""
     parts = list(dict.fromkeys(p for d in drafters for p in d.split("+")))  # every part loads at start
+    # No prefix caching: every configuration prefills its prompt, as the first one to run it would.
     engine = LLMEngine(resolve_model(args.model), "bfloat16",
                        EngineConfig(draft="+".join(parts), speculation=args.speculation, kv_cache_memory="1GiB",
-                                    max_tree_tokens=args.tree_tokens, draft_top_k=args.top_k, draft_beam=args.beam))
+                                    max_tree_tokens=args.tree_tokens, draft_top_k=args.top_k, draft_beam=args.beam,
+                                    enable_prefix_caching=False))
     configs = {"no-spec": {"enabled": False}, **{d: {"drafter": d} for d in drafters}}
     by_category = {c: [engine.encode(q, chat=True) for q in qs[: args.per_category]]
                    for c, qs in questions(args.questions).items()}
@@ -264,8 +268,9 @@ def per_category(args, part: str, drafters: list[str], max_tokens: int) -> None:
                f"category; the mean row averages the categories. Speculation {args.speculation}, cap "
                f"{args.tree_tokens}, model drafters top-k {args.top_k}, beam {args.beam}. Speculative tokens identical "
                f"to no-spec: {same} (bf16 rounding depends on a forward's shape); mean share of tokens before the "
-               f"first difference: " + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items()) + ".")
-    write_report(f"{args.out}-{part}", result, caption, header, rows)
+               f"first difference: " + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items())
+               + ". Prefix caching off: every run prefills its prompt.")
+    write_report(f"{args.out}-{part}{args.suffix}", result, caption, header, rows)
 
 
 # -- (c) SmolLM2 under load ---------------------------------------------------------------------------
@@ -366,6 +371,7 @@ def main() -> None:
     parser.add_argument("--drain", action="store_true",
                         help="(c) each client sends exactly that many requests, run to completion")
     parser.add_argument("--out", default=str(RESULTS / "speculative"))
+    parser.add_argument("--suffix", default="", help="(b, d) appended to the result files' names")
     args = parser.parse_args()
     torch.manual_seed(0)
     parts = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}

@@ -114,8 +114,10 @@ def find_head(kind: str, source: str | None, target_dir: Path | None) -> Path:
     if source is not None:
         path = Path(source).expanduser()
         if not (path / CONFIG_FILE).exists():
-            raise FileNotFoundError(f"drafter head {source!r}: no {CONFIG_FILE} there; give the directory "
-                                    "`specserve train-drafter --out` wrote")
+            choices = ("a positive number of layers (early-exit:6, untrained), 'trained' (the shipped head)"
+                       if kind == "early-exit" else "nothing (the shipped head)")
+            raise FileNotFoundError(f"{kind}:{source}: no {CONFIG_FILE} in {source!r}; give {choices}, "
+                                    "or the directory `specserve train-drafter --out` wrote")
         return path
     fingerprint = None if target_dir is None else target_fingerprint(target_dir)
     shipped = sorted(p.parent for p in SHIPPED_DIR.glob(f"*/{kind}/{CONFIG_FILE}"))

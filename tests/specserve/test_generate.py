@@ -99,7 +99,7 @@ def test_unknown_target_lists_known_models():
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--draft", "ngram+"], "has an empty part"),
-    (["--draft", "early-exit:x"], "positive number of layers"),
+    (["--draft", "early-exit:x"], "give a positive number of layers"),
     (["--kv-cache-memory", "lots"], "give bytes (e.g. 2GiB"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
 ])
