@@ -154,6 +154,22 @@ class TrainableHead(nn.Module):
         """The target's logits over the draft vocabulary from its final-normed states."""
         return features @ self.lm_head.T
 
+    @classmethod
+    def from_tensors(cls, target: LlamaForCausalLM, kind: str, layer: int,
+                     tensors: dict[str, torch.Tensor]) -> TrainableHead:
+        """A saved head (`tensors()`'s layout) in trainable form: to score or train it further."""
+        head = cls(target, kind, layer, tensors["vocab_ids"])
+        own = {}
+        for name, value in tensors.items():
+            if name.startswith("layer."):  # layer.self_attn.q_proj.weight -> q_proj.weight
+                parts = name.split(".")[1:]
+                key = ".".join(parts[1:] if parts[0] in ("self_attn", "mlp") else parts)
+                own[key.removesuffix(".weight") if key.endswith("layernorm.weight") else key] = value.float()
+        head.layer.load_state_dict(own)
+        if kind == "feature":
+            head.fc.load_state_dict({"weight": tensors["fc.weight"].float(), "bias": tensors["fc.bias"].float()})
+        return head
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint's tensors (`drafters.heads` layout), in the target's dtype-to-be (bf16)."""
         out = {f"layer.{k}": v for k, v in self.layer.tensors().items()}

@@ -77,17 +77,30 @@ def default_data_files() -> list[Path]:
     return [SHARED_DATA / name for name in DEFAULT_DATA]
 
 
-def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
-                  generation: GenerationSettings | None = None, data: Sequence[Path] | None = None,
-                  dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True) -> HeadConfig:
-    """Generate (or reuse) the data, train a head, save it to `out`; returns its config."""
-    settings, generation = settings or TrainSettings(), generation or GenerationSettings()
+@dataclass
+class TrainingData:
+    """A target and the hidden states over its own answers: what every head trains on."""
+
+    model: object  # LlamaForCausalLM
+    model_dir: Path
+    engine: object  # the engine that generated the answers (no speculation)
+    features: Features
+    layer: int  # early exit: K (the head reads the residual entering layer K)
+    head_layer: int  # the layer boundary the head's input comes from
+    files: list[Path]
+    answers: int
+    generate_seconds: float
+
+
+def prepare_data(target: str, settings: TrainSettings, generation: GenerationSettings,
+                 data: Sequence[Path] | None = None, dtype: str = "bfloat16", work_dir: Path | None = None,
+                 progress: bool = True) -> TrainingData:
+    """Generate (or reuse) the target's answers and extract (or reuse) its hidden states."""
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
     from specserve.pull import cache_dir, resolve_model
 
     started = time.perf_counter()
-    torch.manual_seed(settings.seed)
     files = [Path(f) for f in (data or default_data_files())]
     for f in files:
         if not f.exists():
@@ -117,20 +130,34 @@ def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
     else:
         features = extract(model, examples, layers, progress=progress)
         features.save(states_file)
+    return TrainingData(model, Path(model_dir), engine, features, layer, head_layer, files, len(examples),
+                        generated - started)
+
+
+def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
+                  generation: GenerationSettings | None = None, data: Sequence[Path] | None = None,
+                  dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True) -> HeadConfig:
+    """Generate (or reuse) the data, train a head, save it to `out`; returns its config."""
+    settings, generation = settings or TrainSettings(), generation or GenerationSettings()
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress)
+    model, features = prepared.model, prepared.features
     train_ids, val_ids = features.split(settings.validation, settings.seed)
     vocab_ids, coverage = draft_vocabulary(features, train_ids, settings.draft_vocab, model.config)
-    head = TrainableHead(model, settings.kind, layer, vocab_ids)
-    history = fit(head, features, train_ids, val_ids, settings, head_layer, model.config.num_layers, progress)
+    head = TrainableHead(model, settings.kind, prepared.layer, vocab_ids)
+    history = fit(head, features, train_ids, val_ids, settings, prepared.head_layer, model.config.num_layers,
+                  progress)
     seconds = time.perf_counter() - started
     config = HeadConfig(
-        kind=settings.kind, target=name, target_fingerprint=target_fingerprint(model_dir), layer=head_layer,
-        vocab_size=len(vocab_ids),
+        kind=settings.kind, target=prepared.model_dir.name, target_fingerprint=target_fingerprint(prepared.model_dir),
+        layer=prepared.head_layer, vocab_size=len(vocab_ids),
         training={
             "settings": asdict(settings), "generation": asdict(generation),
-            "data": [f.name for f in files], "answers": len(examples),
+            "data": [f.name for f in prepared.files], "answers": prepared.answers,
             "train_tokens": int(sum(_answer_rows(features, i) for i in train_ids)),
             "draft_vocab_coverage": coverage, "epochs": [asdict(h) for h in history],
-            "val_agreement": history[-1].val_agreement, "generate_seconds": round(generated - started, 1),
+            "val_agreement": history[-1].val_agreement, "generate_seconds": round(prepared.generate_seconds, 1),
             "wall_seconds": round(seconds, 1), "dtype": str(model.dtype),
         })
     save_head(Path(out), config, head.tensors())
@@ -195,9 +222,10 @@ def _batch_tensors(features: Features, batch: list[int], input_layer: int, final
     return tokens, inputs, target, mask, next_tokens
 
 
-def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool) -> tuple[torch.Tensor, list[int], int]:
-    """The loss (mean over passes), the rows whose top-1 guess is the target's next token per
-    pass (pass d: drafting depth d), and the rows counted."""
+def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool,
+          top_k: int = 1) -> tuple[torch.Tensor, list[int], int]:
+    """The loss (mean over passes), the rows whose `top_k` guesses hold the target's next token
+    per pass (pass d: drafting depth d), and the rows counted."""
     tokens, inputs, target, mask, next_tokens = batch
     if noise and head.kind == "feature" and settings.noise > 0:
         scale = inputs.pow(2).mean().sqrt() * settings.noise
@@ -215,7 +243,8 @@ def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool) -> t
         loss = loss - (teacher * F.log_softmax(rows, dim=-1)).sum(-1).mean()
         if head.kind == "feature":
             loss = loss + settings.regression * F.smooth_l1_loss(states, target[mask])
-        agreed.append(int((rows.argmax(-1) == wanted).sum()))
+        guesses = rows.topk(min(top_k, rows.shape[-1]), dim=-1).indices
+        agreed.append(int((guesses == wanted[:, None]).any(-1).sum()))
         # The next pass: row i reads the feature row i - 1 predicted (a drafted node its parent's).
         inputs = F.pad(out[:, :-1].float(), (0, 0, 1, 0))
     return loss / passes, agreed, int(mask.sum())
@@ -268,15 +297,16 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
 
 @torch.no_grad()
 def evaluate(head: TrainableHead, features: Features, examples: Sequence[int], settings: TrainSettings,
-             input_layer: int, final_layer: int) -> tuple[float, list[float]]:
-    """Validation loss (per row) and top-1 agreement with the target's next token, per pass
-    (drafting depth: depth d's rows read the features the head predicted d - 1 times over)."""
+             input_layer: int, final_layer: int, top_k: int = 1) -> tuple[float, list[float]]:
+    """Validation loss (per row) and top-`top_k` agreement with the target's next token (its
+    share of rows with that token among the head's `top_k` guesses), per pass (drafting depth:
+    depth d's rows read the features the head predicted d - 1 times over)."""
     head.eval()
     total_loss = rows = 0
     agreed: list[int] = []
     for batch in _batches(features, examples, settings.batch_tokens, random.Random(0)):
         loss, agree, count = _loss(head, _batch_tensors(features, batch, input_layer, final_layer, head.kind),
-                                   settings, noise=False)
+                                   settings, noise=False, top_k=top_k)
         total_loss += float(loss) * count
         agreed = [a + b for a, b in zip(agreed, agree, strict=True)] if agreed else agree
         rows += count

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from drafters.heads import HeadConfig
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.sampling import SamplingParams
 from specserve.training.data import GenerationSettings, load_instructions
+from specserve.training.heads import TrainableHead
 from specserve.training.train import TrainSettings, train_drafter
 
 TOPICS = ["the sea", "a robot", "my garden", "trains", "the moon", "a detective", "pizza", "winter", "music",
@@ -86,3 +89,9 @@ def test_training_lowers_validation_loss_and_raises_agreement(peaked_chat_model,
     speculative, engine = run(f"{kind}:{out}")
     assert speculative == plain
     assert engine.metrics.spec.drafted_tokens > 0
+
+    # The saved head loads back into trainable form unchanged (to score it, or train it on).
+    saved_tensors = load_file(out / "head.safetensors")
+    again = TrainableHead.from_tensors(engine.model, kind, saved.layer, saved_tensors).tensors()
+    assert again.keys() == saved_tensors.keys()
+    assert all(torch.equal(again[name], saved_tensors[name]) for name in again)
