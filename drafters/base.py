@@ -34,6 +34,10 @@ class DraftRequest:
     # What one emitted token is worth at this step's going rate (seconds per token of the plan
     # the speculation policy chose; None: no estimate). A drafter spends no more than that.
     token_seconds: float | None = None
+    # The request's tree shape for model drafters (`SpeculationParams.tree`, `.top_k`; None: the
+    # drafter's own: dynamic, its top-k).
+    shape: str | None = None
+    top_k: int | None = None
 
 
 @dataclass

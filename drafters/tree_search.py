@@ -116,6 +116,14 @@ class _Search:
 
     def __init__(self, request: DraftRequest, top_k: int, beam: int, max_rounds: int | None,
                  round_share: float | None = None):
+        # The request's shape: a chain expands its one likeliest child; a "tree" every newest
+        # child, level by level, and keeps the shallowest nodes; dynamic (EAGLE-2) below.
+        self.shape = request.shape or "dynamic"
+        top_k = request.top_k or top_k
+        if self.shape == "chain":
+            top_k = beam = 1
+        elif self.shape == "tree":
+            beam = max(request.max_nodes, 1)
         self.request, self.top_k, self.beam, self.max_rounds = request, top_k, beam, max_rounds
         self.round_share = round_share  # this request's share of a round's time (None: unmeasured)
         self.tokens, self.parents, self.depths, self.scores = [int(request.token_ids[-1])], [-1], [0], [0.0]
@@ -159,7 +167,10 @@ class _Search:
     def _best_tree(self) -> TokenTree:
         """The `max_nodes` most likely candidates. A child is never likelier than its parent
         (ties go to the shallower), so taking them in order keeps every parent in the tree."""
-        order = sorted(range(1, len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n], n))
+        if self.shape == "tree":  # level by level, each level's likeliest first
+            order = sorted(range(1, len(self.tokens)), key=lambda n: (self.depths[n], -self.scores[n], n))
+        else:
+            order = sorted(range(1, len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n], n))
         position, tokens, parents = {0: 0}, [self.tokens[0]], [-1]
         for node in order:
             if len(tokens) > self.request.max_nodes:
@@ -231,9 +242,10 @@ class _Search:
         if room <= 0 or not newest:
             return False
         best = self.scores[newest[0]]
+        floor = best + _LOG_MIN_RATIO if self.shape == "dynamic" else -math.inf  # chains and trees: as asked
         self.frontier = [n for n in newest[:room]
-                         if self.scores[n] >= best + _LOG_MIN_RATIO and self.depths[n] < self.request.max_depth]
-        if self.frontier and not self._worth_a_round():
+                         if self.scores[n] >= floor and self.depths[n] < self.request.max_depth]
+        if self.frontier and self.shape == "dynamic" and not self._worth_a_round():
             self.frontier = []
         self.expanded.extend(self.frontier)
         return bool(self.frontier)

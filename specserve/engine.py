@@ -300,12 +300,7 @@ class LLMEngine:
         drafts: dict[int, Draft] = {}
         for drafter, group in groups.values():
             start = time.perf_counter()
-            proposed = drafter.propose([
-                DraftRequest(s.seq.seq_id, s.seq.token_ids, max_nodes=s.tree_budget, max_depth=s.tree_budget,
-                             block_table=s.seq.block_table.block_ids, temperature=s.seq.params.temperature,
-                             generator=s.seq.generator, token_seconds=token_seconds)
-                for s in group
-            ])
+            proposed = drafter.propose([self._draft_request(s, token_seconds) for s in group])
             for s, draft in zip(group, proposed, strict=True):
                 if draft.tree.tokens[0] != s.seq.token_ids[-1] or draft.num_drafted > s.tree_budget:
                     raise RuntimeError(f"drafter {drafter.spec!r} broke its contract: a tree must be rooted at the "
@@ -314,6 +309,17 @@ class LLMEngine:
                     drafts[s.seq.seq_id] = draft
             self.metrics.draft_s += time.perf_counter() - start
         return drafts
+
+    @staticmethod
+    def _draft_request(s: ScheduledSequence, token_seconds: float | None) -> DraftRequest:
+        spec = s.seq.params.speculation
+        shape = top_k = None
+        depth = s.tree_budget
+        if spec is not None:
+            shape, top_k, depth = spec.tree, spec.top_k, min(depth, spec.max_depth or depth)
+        return DraftRequest(s.seq.seq_id, s.seq.token_ids, max_nodes=s.tree_budget, max_depth=depth,
+                            block_table=s.seq.block_table.block_ids, temperature=s.seq.params.temperature,
+                            generator=s.seq.generator, token_seconds=token_seconds, shape=shape, top_k=top_k)
 
     def _tree_request(self, s: ScheduledSequence, draft: Draft | None) -> TreeRequest:
         table = s.seq.block_table.block_ids

@@ -3,8 +3,8 @@ parameters, and the response and stream-chunk bodies built from engine outputs.
 
 Extensions beyond OpenAI's fields, named as vLLM names them: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, and `speculation` ({"enabled", "drafter",
-"max_tree_tokens"}, see `specserve.sampling.SpeculationParams`); `usage` carries speculation
-counts (target forwards that verified a tree, drafted and accepted tokens).
+"max_tree_tokens", "tree", "top_k", "max_depth"}, see `specserve.sampling.SpeculationParams`);
+`usage` carries speculation counts (target forwards that verified a tree, drafted and accepted tokens).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ class SpeculationField(BaseModel):
     enabled: bool = True
     drafter: str | None = None
     max_tree_tokens: int | None = Field(default=None, ge=0)
+    tree: Literal["chain", "tree", "dynamic"] | None = None
+    top_k: int | None = Field(default=None, ge=1)
+    max_depth: int | None = Field(default=None, ge=1)
 
 
 class StreamOptions(BaseModel):

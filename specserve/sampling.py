@@ -16,9 +16,11 @@ is in the batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+
+TREE_SHAPES = ("chain", "tree", "dynamic")
 
 
 @dataclass
@@ -28,21 +30,35 @@ class SpeculationParams:
     enabled: bool = True
     drafter: str | None = None  # a drafter spec string (see `drafters.spec`); None: the engine's drafter
     max_tree_tokens: int | None = None  # drafted nodes per step at most; None: the engine's setting
+    # How model drafters grow the tree (n-gram lookup proposes what it finds, within the depth):
+    # "chain" one guess per depth; "tree" every node's top_k children, depth by depth, until the
+    # budget is spent; "dynamic" (EAGLE-2) the likeliest nodes by cumulative draft probability.
+    # None: the engine's ("dynamic" with --draft-top-k / --draft-beam).
+    tree: str | None = None
+    top_k: int | None = None  # children per expanded node ("tree", "dynamic"); None: the engine's
+    max_depth: int | None = None  # drafted tokens on a root-to-leaf path at most; None: the budget
 
     def __post_init__(self) -> None:
         if self.max_tree_tokens is not None and self.max_tree_tokens < 0:
             raise ValueError(f"speculation.max_tree_tokens must be >= 0, got {self.max_tree_tokens}")
+        if self.tree is not None and self.tree not in TREE_SHAPES:
+            raise ValueError(f"speculation.tree {self.tree!r}: use one of {', '.join(TREE_SHAPES)}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"speculation.top_k must be >= 1, got {self.top_k}")
+        if self.max_depth is not None and self.max_depth < 1:
+            raise ValueError(f"speculation.max_depth must be >= 1, got {self.max_depth}")
 
     @classmethod
     def coerce(cls, value: SpeculationParams | dict | None) -> SpeculationParams | None:
         if value is None or isinstance(value, cls):
             return value
+        keys = ", ".join(f.name for f in fields(cls))
         if not isinstance(value, dict):
             raise ValueError(f"speculation must be an object like {{'enabled': true, 'drafter': 'ngram', "
-                             f"'max_tree_tokens': 8}}, got {value!r}")
-        unknown = set(value) - {"enabled", "drafter", "max_tree_tokens"}
+                             f"'max_tree_tokens': 8}} (keys: {keys}), got {value!r}")
+        unknown = set(value) - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"speculation has unknown keys {sorted(unknown)}: use enabled, drafter, max_tree_tokens")
+            raise ValueError(f"speculation has unknown keys {sorted(unknown)}: use {keys}")
         return cls(**value)
 
 

@@ -86,6 +86,19 @@ def test_a_round_buys_a_layer_of_candidates_and_the_draft_keeps_the_likeliest():
     assert min(score.values()) >= left_out - 1e-6, "only the likeliest candidates are kept"
 
 
+def test_a_request_picks_a_chain_a_level_by_level_tree_or_the_dynamic_tree():
+    flat = torch.zeros(VOCAB, VOCAB)  # uniform: the dynamic tree stays shallow and wide
+    drafter = TableDrafter(flat, top_k=4, beam=4)
+    (chain,) = drafter.propose([request(6, shape="chain")])
+    assert chain.tree.is_chain and chain.num_drafted == 6, "a chain as long as asked, however unsure"
+    (short,) = drafter.propose([request(6, max_depth=3, shape="chain")])
+    assert short.tree.is_chain and short.num_drafted == 3
+    (tree,) = drafter.propose([request(6, shape="tree", top_k=2)])
+    assert sorted(tree.tree.depths[1:]) == [1, 1, 2, 2, 2, 2] and len(tree.tree.children[0]) == 2
+    (wide,) = drafter.propose([request(6, top_k=6)])  # dynamic, with the request's top-k
+    assert len(wide.tree.children[0]) == 6
+
+
 def test_a_round_runs_only_while_its_tokens_are_worth_its_time():
     drafter = TableDrafter(confident_table(), top_k=1, beam=1)
     for _ in range(3):  # as if measured: a growth round takes 0.1 s

@@ -280,11 +280,29 @@ def test_requests_choose_their_own_speculation(small_vocab_model):
     assert chosen.metrics.spec.verify_steps > 0 and tokens_of([chosen]) == tokens_of([default])
 
 
+def test_requests_choose_their_tree_shape(small_vocab_model, small_vocab_draft):
+    engine = make_engine(small_vocab_model, draft=str(small_vocab_draft), max_tree_tokens=6)
+    shapes = [{"tree": "chain", "max_depth": 2}, {"tree": "tree", "top_k": 3}, {"tree": "dynamic", "top_k": 2}, None]
+    outs = run_batch(engine, [PATTERN_PROMPT] * len(shapes), [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, speculation=shape) for shape in shapes])
+    chain = outs[0].metrics.spec
+    assert chain.verify_steps > 0 and chain.drafted_tokens <= 2 * chain.verify_steps
+    assert len(chain.accepted_at_depth) <= 2, "a chain of two accepts two drafted tokens at most"
+    assert all(o.metrics.spec.verify_steps > 0 for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1, "every shape gives the target's own output"
+
+
 def test_bad_speculation_fields_say_what_to_send():
     with pytest.raises(ValueError, match="unknown keys"):
         SamplingParams(speculation={"enable": True})
     with pytest.raises(ValueError, match="max_tree_tokens must be >= 0"):
         SamplingParams(speculation={"max_tree_tokens": -1})
+    with pytest.raises(ValueError, match="tree 'wide': use one of chain, tree, dynamic"):
+        SamplingParams(speculation={"tree": "wide"})
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        SamplingParams(speculation={"top_k": 0})
+    with pytest.raises(ValueError, match="max_depth must be >= 1"):
+        SamplingParams(speculation={"max_depth": 0})
 
 
 # -- modes, calibration, drafter errors ------------------------------------------------------------
