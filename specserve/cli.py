@@ -180,7 +180,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="the target's dtype while generating and recording its states (serve in the same)")
     p.set_defaults(func=_cmd_train_drafter)
+
+    p = sub.add_parser("ablate", help="compare draft configurations on a live engine: tables and plots")
+    p.add_argument("config", help="ablation YAML (configs/ablations/*.yaml)")
+    p.add_argument("--out", default=None, help="results directory (default results/<name>); a rerun resumes there")
+    p.add_argument("--report-only", action="store_true", help="rewrite report.md and the plots from results.json")
+    p.set_defaults(func=_cmd_ablate)
     return parser
+
+
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    from specserve.ablation.config import load_ablation
+    from specserve.ablation.report import write_report
+    from specserve.ablation.runner import run_ablation
+
+    config = load_ablation(args.config)
+    out = Path(args.out or Path("results") / config.name)
+    if not args.report_only:
+        run_ablation(config, out, base=Path(args.config).resolve().parent)
+    elif not (out / "results.json").exists():
+        raise FileNotFoundError(f"{out / 'results.json'} not found: run the ablation first")
+    report = write_report(out / "results.json")
+    print(f"[ablation {config.name}: {report}]", file=sys.stderr)
+    return 0
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:

@@ -1,0 +1,1 @@
+"""`specserve ablate`: draft configurations compared on a live engine (config, runner, report)."""

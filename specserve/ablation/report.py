@@ -1,0 +1,247 @@
+"""An ablation's report: `report.md` (tables, the best configuration per category in bold) and
+PNG plots, all computed from `results.json` alone.
+
+Per configuration and category (concurrency 1): tok/s = the category's tokens over its
+seconds, per repeat; speed-up = that over the baseline's in the same repeat; the median over
+repeats. MAT = (accepted + verifying forwards) / verifying forwards; acceptance at depth d =
+the share of verifying forwards that accepted at least d drafted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+BASELINE_NAME = "no-spec"
+
+
+def summarize(results: dict) -> dict:
+    """The report's numbers from the raw measurements."""
+    single = [m for m in results["measurements"] if m["concurrency"] == 1]
+    configs = list(dict.fromkeys(m["config"] for m in results["measurements"]))
+    categories = list(dict.fromkeys(m["category"] for m in single))
+    # (config, category, repeat) -> [tokens, seconds]
+    sums: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
+    for m in single:
+        cell = sums[m["config"], m["category"], m["repeat"]]
+        cell[0] += m["tokens"]
+        cell[1] += m["seconds"]
+    table: dict[str, dict[str, dict]] = {}
+    for config in configs:
+        rows = {}
+        for category in [*categories, "all"]:
+            chosen = [m for m in single if m["config"] == config and category in ("all", m["category"])]
+            if not chosen:
+                continue
+            rates, ratios = [], []
+            for repeat in sorted({m["repeat"] for m in chosen}):
+                mine = _rate(sums, config, category, repeat, categories)
+                base = _rate(sums, BASELINE_NAME, category, repeat, categories)
+                if mine is not None:
+                    rates.append(mine)
+                    if base:
+                        ratios.append(mine / base)
+            rows[category] = {"tok_s": statistics.median(rates), "speedup": statistics.median(ratios) if ratios
+                              else None, **_spec(chosen)}
+        if rows:
+            table[config] = rows
+    throughput: dict[str, dict[int, dict]] = defaultdict(dict)
+    loads = sorted({m["concurrency"] for m in results["measurements"]})
+    for config in configs:
+        for c in loads:
+            runs = [m for m in results["measurements"] if m["config"] == config and m["concurrency"] == c]
+            if c == 1:
+                by_repeat = defaultdict(lambda: [0, 0.0])
+                for m in runs:
+                    by_repeat[m["repeat"]][0] += m["tokens"]
+                    by_repeat[m["repeat"]][1] += m["seconds"]
+                rates = [t / s for t, s in by_repeat.values() if s > 0]
+            else:
+                rates = [m["tokens"] / m["seconds"] for m in runs if m["seconds"] > 0]
+            if rates:
+                throughput[config][c] = {"tok_s": statistics.median(rates), **_spec(runs)}
+    for by_load in throughput.values():
+        for c, row in by_load.items():
+            base = throughput.get(BASELINE_NAME, {}).get(c)
+            row["speedup"] = row["tok_s"] / base["tok_s"] if base else None
+    return {"categories": categories, "configs": configs, "per_category": table, "throughput": dict(throughput)}
+
+
+def _rate(sums: dict, config: str, category: str, repeat: int, categories: list[str]) -> float | None:
+    chosen = categories if category == "all" else [category]
+    tokens = sum(sums[config, c, repeat][0] for c in chosen if (config, c, repeat) in sums)
+    seconds = sum(sums[config, c, repeat][1] for c in chosen if (config, c, repeat) in sums)
+    return tokens / seconds if seconds > 0 else None
+
+
+def _spec(measurements: list[dict]) -> dict:
+    steps = sum(m["verify_steps"] for m in measurements)
+    accepted = sum(m["accepted_tokens"] for m in measurements)
+    depth = max((len(m["accepted_at_depth"]) for m in measurements), default=0)
+    at_depth = [sum(m["accepted_at_depth"][d] for m in measurements if d < len(m["accepted_at_depth"]))
+                for d in range(depth)]
+    seconds = sum(m["seconds"] for m in measurements)
+    return {"mat": (accepted + steps) / steps if steps else None,
+            "acceptance_by_depth": [a / steps for a in at_depth] if steps else [],
+            "drafted_per_step": sum(m["drafted_tokens"] for m in measurements) / steps if steps else None,
+            "draft_share": sum(m["draft_s"] for m in measurements) / seconds if seconds else None,
+            "verify_share": sum(m["verify_s"] for m in measurements) / seconds if seconds else None}
+
+
+def write_report(results_path: Path, out: Path | None = None) -> Path:
+    """`report.md` and the plots next to `results.json` (or in `out`); returns the report's path."""
+    results = json.loads(Path(results_path).read_text())
+    out = out or Path(results_path).parent
+    summary = summarize(results)
+    plots = write_plots(summary, out)
+    lines = [f"# Ablation: {results['config']['name']}", "", _caption(results), ""]
+    lines += _category_table(summary)
+    lines += _detail_table(summary)
+    if any(c > 1 for by_load in summary["throughput"].values() for c in by_load):
+        lines += _load_table(summary)
+    lines += ["", *[f"![{name}]({name}.png)" for name in plots]]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return path
+
+
+def _caption(results: dict) -> str:
+    config, machine = results["config"], results["machine"]
+    generation = config["generation"]
+    return (f"{config['target']}, {config['dtype']}, {machine['threads']} threads on {machine['processor']} "
+            f"(torch {results['versions']['torch']}); {len(results['prompts'])} prompts, {generation['max_tokens']} "
+            f"new tokens, temperature {generation['temperature']}; {config['repeats']} repeat(s), medians; "
+            f"speculation mode {config['engine'].get('speculation', 'fixed')}. Configurations read "
+            "`drafter b<budget> <tree> k<top-k> [d<depth>]`. Speed-up: over no speculation in the same run.")
+
+
+def _fmt(value, pattern: str = "{:.2f}", none: str = "-") -> str:
+    return none if value is None else pattern.format(value)
+
+
+def _category_table(summary: dict) -> list[str]:
+    """Speed-up per category and configuration; the best configuration of each category in bold."""
+    configs = [c for c in summary["configs"] if c != BASELINE_NAME and c in summary["per_category"]]
+    if not configs:
+        return []
+    table = summary["per_category"]
+    lines = ["## Speed-up over no speculation (MAT), concurrency 1", "",
+             "| category | no-spec tok/s | " + " | ".join(configs) + " |",
+             "|---|---:|" + "---:|" * len(configs)]
+    for category in [*summary["categories"], "all"]:
+        speedups = {c: table[c].get(category, {}).get("speedup") for c in configs}
+        best = max((c for c in configs if speedups[c] is not None), key=lambda c: speedups[c], default=None)
+        cells = []
+        for c in configs:
+            row = table[c].get(category, {})
+            text = f"{_fmt(row.get('speedup'), '{:.2f}x')} ({_fmt(row.get('mat'))})"
+            cells.append(f"**{text}**" if c == best else text)
+        base = table.get(BASELINE_NAME, {}).get(category, {}).get("tok_s")
+        name = "**all**" if category == "all" else category
+        lines.append(f"| {name} | {_fmt(base, '{:.1f}')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _detail_table(summary: dict) -> list[str]:
+    lines = ["", "## Per configuration, all prompts", "",
+             "| configuration | tok/s | speed-up | MAT | drafted/step | acceptance by depth | draft time | "
+             "verify time |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for config in summary["configs"]:
+        row = summary["per_category"].get(config, {}).get("all")
+        if row is None:
+            continue
+        depths = " / ".join(f"{a:.0%}" for a in row["acceptance_by_depth"][:6]) or "-"
+        lines.append(f"| {config} | {row['tok_s']:.1f} | {_fmt(row['speedup'], '{:.2f}x')} | {_fmt(row['mat'])} | "
+                     f"{_fmt(row['drafted_per_step'], '{:.1f}')} | {depths} | {_fmt(row['draft_share'], '{:.0%}')} | "
+                     f"{_fmt(row['verify_share'], '{:.0%}')} |")
+    return lines
+
+
+def _load_table(summary: dict) -> list[str]:
+    loads = sorted({c for by_load in summary["throughput"].values() for c in by_load})
+    lines = ["", "## Aggregate throughput by concurrency (tok/s, speed-up)", "",
+             "| configuration | " + " | ".join(f"c={c}" for c in loads) + " |", "|---|" + "---:|" * len(loads)]
+    for config, by_load in summary["throughput"].items():
+        cells = [f"{by_load[c]['tok_s']:.1f} ({_fmt(by_load[c]['speedup'], '{:.2f}x')})" if c in by_load else "-"
+                 for c in loads]
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_plots(summary: dict, out: Path) -> list[str]:
+    """The plots that have data: their names (PNG files in `out`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    configs = [c for c in summary["configs"] if c != BASELINE_NAME and c in summary["per_category"]]
+    table = summary["per_category"]
+    if configs and summary["categories"]:
+        categories = summary["categories"]
+        fig, ax = plt.subplots(figsize=(max(6.4, 0.6 * len(categories) * max(1, len(configs)) / 2), 4.2))
+        width = 0.8 / len(configs)
+        for i, config in enumerate(configs):
+            values = [table[config].get(c, {}).get("speedup") or 0 for c in categories]
+            ax.bar([x + i * width for x in range(len(categories))], values, width, label=config)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=45, ha="right")
+        ax.set_ylabel("speed-up over no speculation")
+        ax.legend(fontsize=7)
+        _save(fig, out / "speedup_by_category.png")
+        written.append("speedup_by_category")
+
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for config in configs:
+            depths = table[config]["all"]["acceptance_by_depth"]
+            if depths:
+                ax.plot(range(1, len(depths) + 1), depths, "o-", label=config)
+        ax.set_xlabel("drafted depth d")
+        ax.set_ylabel("share of verifying forwards accepting >= d")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+        _save(fig, out / "acceptance_by_depth.png")
+        written.append("acceptance_by_depth")
+
+        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for config in configs:
+            drafter, budget, *shape = config.split(" ")
+            mat = table[config]["all"]["mat"]
+            if mat is not None:
+                series[" ".join([drafter, *shape])].append((int(budget[1:]), mat))
+        if any(len(points) > 1 for points in series.values()):
+            fig, ax = plt.subplots(figsize=(6.4, 4.2))
+            for name, points in series.items():
+                points.sort()
+                ax.plot([b for b, _ in points], [m for _, m in points], "o-", label=name)
+            ax.set_xlabel("tree budget (drafted nodes per step)")
+            ax.set_ylabel("MAT (tokens per verifying forward)")
+            ax.legend(fontsize=7)
+            _save(fig, out / "mat_vs_budget.png")
+            written.append("mat_vs_budget")
+
+    throughput = summary["throughput"]
+    if any(len(by_load) > 1 for by_load in throughput.values()):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for config, by_load in throughput.items():
+            loads = sorted(by_load)
+            ax.plot(loads, [by_load[c]["tok_s"] for c in loads], "o-", label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("aggregate tok/s")
+        ax.legend(fontsize=7)
+        _save(fig, out / "throughput_vs_concurrency.png")
+        written.append("throughput_vs_concurrency")
+    return written
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -1,0 +1,112 @@
+"""`specserve ablate` runs a grid through the real engine, resumes after an interrupt, and
+writes a report and plots whose numbers hang together."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specserve.ablation import runner
+from specserve.ablation.config import DraftConfig, load_ablation
+from specserve.ablation.report import summarize, write_report
+from specserve.cli import main
+
+SMOKE = Path(__file__).resolve().parents[3] / "configs" / "ablations" / "smoke.yaml"
+
+
+def smoke_config(tmp_path: Path, target: Path, **changes) -> Path:
+    settings = {**yaml.safe_load(SMOKE.read_text()), "target": str(target), **changes}
+    path = tmp_path / "smoke.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def test_the_grid_is_every_combination_after_the_baseline(tmp_path, tiny_chat_model):
+    config = load_ablation(smoke_config(tmp_path, tiny_chat_model))
+    names = [c.name for c in config.configurations]
+    assert names == ["no-spec", "ngram b2 chain", "ngram b2 dynamic k4", "ngram b4 chain", "ngram b4 dynamic k4"]
+    assert config.drafters == ["ngram"]
+    assert DraftConfig("ngram", 4, "chain").speculation() == {"drafter": "ngram", "max_tree_tokens": 4,
+                                                               "tree": "chain", "top_k": 4, "max_depth": None}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"grid": {"drafter": "none"}}, "must not name 'none'"),
+    ({"grid": {"drafter": "ngram", "tree": "wide"}}, "grid tree 'wide'"),
+    ({"grid": {"drafter": "ngram", "budget": 0}}, "budget and top_k must be integers >= 1"),
+    ({"grid": {"drafter": "ngram", "width": 2}}, "unknown keys ['width']"),
+    ({"concurrency": [0]}, "concurrency must be a list of integers >= 1"),
+    ({"generation": {"max_tokens": 0}}, "generation:"),
+    ({"prompts": {"spec_bench": {"categories": ["poetry"]}}}, "unknown ['poetry']"),
+    ({"tree_report": "ngram b9 chain"}, "is not a configuration"),
+    ({"colour": "red"}, "unknown keys ['colour']"),
+])
+def test_bad_configs_say_what_to_change(tmp_path, tiny_chat_model, change, message):
+    with pytest.raises(ValueError) as error:
+        config = load_ablation(smoke_config(tmp_path, tiny_chat_model, **change))
+        config.load_prompts(tmp_path)
+    assert message in str(error.value)
+
+
+def test_a_smoke_ablation_reports_consistent_numbers_and_resumes(tmp_path, tiny_chat_model, monkeypatch):
+    path, out = smoke_config(tmp_path, tiny_chat_model), tmp_path / "out"
+    config = load_ablation(path)
+
+    # Interrupt the run after a few measurements: what was measured is kept.
+    measure, calls = runner._measure, []
+
+    def interrupted(*args):
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return measure(*args)
+
+    monkeypatch.setattr(runner, "_measure", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_ablation(config, out, progress=False)
+    assert len(json.loads((out / "results.json").read_text())["measurements"]) == 7
+
+    # Rerun through the CLI: it resumes, measuring only the rest.
+    calls.clear()
+    monkeypatch.setattr(runner, "_measure", lambda *args: (calls.append(1), measure(*args))[1])
+    assert main(["ablate", str(path), "--out", str(out)]) == 0
+    cells = len(runner.plan(config, 2))
+    assert cells == 2 * 2 * 5 + 2 * 5 and len(calls) == cells - 7
+    results = json.loads((out / "results.json").read_text())
+    assert len({(m["config"], m["concurrency"], m["repeat"], m["prompt"]) for m in results["measurements"]}) == cells
+    assert results["versions"]["torch"] and results["machine"]["threads"] >= 1
+
+    # Every configuration gives the baseline's output (greedy), and the numbers hang together.
+    outputs = {}
+    for m in results["measurements"]:
+        if m["prompt"] is not None:
+            outputs.setdefault(m["prompt"], set()).add(tuple(m["output"]))
+    assert all(len(o) == 1 for o in outputs.values())
+    summary = summarize(results)
+    base = summary["per_category"]["no-spec"]
+    assert all(row["speedup"] == pytest.approx(1.0) and row["mat"] is None for row in base.values())
+    for name in ("ngram b2 chain", "ngram b4 dynamic k4"):
+        row = summary["per_category"][name]["all"]
+        assert row["mat"] >= 1 and row["speedup"] > 0
+        assert all(a >= b for a, b in zip(row["acceptance_by_depth"], row["acceptance_by_depth"][1:], strict=False))
+        assert 0 <= row["draft_share"] <= 1 and 0 < row["verify_share"] <= 1
+    assert len(summary["per_category"]["ngram b2 chain"]["all"]["acceptance_by_depth"]) <= 2
+    assert set(summary["throughput"]["no-spec"]) == {1, 2}
+
+    report = (out / "report.md").read_text()
+    assert "| writing |" in report and "| coding |" in report and "**" in report
+    for plot in ("speedup_by_category", "acceptance_by_depth", "mat_vs_budget", "throughput_vs_concurrency"):
+        assert (out / f"{plot}.png").stat().st_size > 1000 and f"({plot}.png)" in report
+    assert write_report(out / "results.json") == out / "report.md"  # --report-only's path
+
+
+def test_a_changed_config_does_not_resume_into_old_results(tmp_path, tiny_chat_model):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"fingerprint": "other", "measurements": []}))
+    config = load_ablation(smoke_config(tmp_path, tiny_chat_model))
+    with pytest.raises(ValueError, match="different config"):
+        runner.Results(out / "results.json", config)
