@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from itertools import count
@@ -44,6 +45,7 @@ from specserve.sampling import SamplingParams, sample, top_logprobs
 from specserve.scheduler import ScheduledSequence, Scheduler
 from specserve.sequence import Sequence, SpecStats, TokenLogprob
 from specserve.speculation import SpeculationPolicy
+from specserve.tree import TokenTree
 from specserve.verify import Verdict, verify
 
 logger = logging.getLogger("specserve")
@@ -104,6 +106,9 @@ class LLMEngine:
         self._seq_ids = count()
         self._drafters: dict[str, Drafter | None] = {self.config.draft: self.drafter}  # per-request specs
         self.metrics = EngineMetrics()
+        # Called with (request id, drafted tree, accepted path) after every verification: what
+        # `specserve ablate` draws its tree shapes from.
+        self.tree_observers: list[Callable[[str, TokenTree, list[int]], None]] = []
         if self.drafter is not None:
             self._calibrate()
         # Everything alive now (the model's modules, tokenizer, imported libraries: ~360k objects
@@ -355,6 +360,8 @@ class LLMEngine:
         seq.num_forwarded_tokens += len(draft.tree)
         seq.spec.record(draft.num_drafted, verdict.num_accepted)
         self.metrics.spec.record(draft.num_drafted, verdict.num_accepted)
+        for observe in self.tree_observers:
+            observe(seq.request_id, draft.tree, verdict.path)
         self.policy.observe_verify(seq.drafter, verdict.num_accepted)
         text, emitted = "", []
         for node, token in zip(verdict.path, verdict.tokens, strict=True):

@@ -96,6 +96,14 @@ def write_report(results_path: Path, out: Path | None = None) -> Path:
     out = out or Path(results_path).parent
     summary = summarize(results)
     plots = write_plots(summary, out)
+    trees = results.get("trees")
+    if trees and trees["steps"]:
+        from specserve.ablation.trees import draw_tree_shapes
+
+        draw_tree_shapes(trees["shapes"][:6], out / "tree_shapes.png",
+                         f"{trees['config']}: the most common drafted trees, nodes shaded by how often accepted",
+                         trees["steps"])
+        plots.append("tree_shapes")
     lines = [f"# Ablation: {results['config']['name']}", "", _caption(results), ""]
     lines += _category_table(summary)
     lines += _detail_table(summary)

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specserve.ablation.config import AblationConfig, DraftConfig
+from specserve.ablation.trees import TreeShapes
 from specserve.sequence import SpecStats
 
 
@@ -53,12 +54,14 @@ class Results:
         self.path, self.config = path, config
         self.measurements: list[Measurement] = []
         self.prompts: list[dict] = []
+        self.trees = TreeShapes()  # of the configuration `config.tree_report` names
         if path.exists():
             saved = json.loads(path.read_text())
             if saved.get("fingerprint") != config.fingerprint():
                 raise ValueError(f"{path} holds a run of a different config (settings changed since): "
                                  "give another --out, or delete it to start over")
             self.measurements = [Measurement(**m) for m in saved["measurements"]]
+            self.trees = TreeShapes(saved.get("trees", {}).get("shapes"))
         self.done = {m.key for m in self.measurements}
 
     def add(self, measurement: Measurement) -> None:
@@ -79,6 +82,9 @@ class Results:
                          "python": platform.python_version()},
             "prompts": self.prompts, "measurements": [asdict(m) for m in self.measurements],
         }
+        if self.config.tree_report is not None:
+            data["trees"] = {"config": self.config.tree_report, "steps": self.trees.total,
+                             "shapes": self.trees.most_common(500)}
         temporary = self.path.with_suffix(".json.tmp")
         temporary.write_text(json.dumps(data, indent=1))
         temporary.replace(self.path)  # atomic: an interrupt never leaves half a file
@@ -109,6 +115,13 @@ def run_ablation(config: AblationConfig, out: Path, base: Path = Path("."), prog
                "draft": "+".join(config.drafters)}
     engine = LLMEngine(resolve_model(config.target), config.dtype, EngineConfig(**options))
     token_ids = [engine.encode(p.text, chat=config.chat) for p in prompts]
+    measuring: list[str] = []  # the configuration being measured (not warming up)
+
+    def observe(request_id: str, tree, path: list[int]) -> None:
+        if measuring and measuring[0] == config.tree_report:
+            results.trees.observe(tree, path)
+
+    engine.tree_observers.append(observe)
     results.prompts = [{"category": p.category, "prompt_tokens": len(t)} for p, t in zip(prompts, token_ids,
                                                                                          strict=True)]
     cells = plan(config, len(prompts))
@@ -122,7 +135,9 @@ def run_ablation(config: AblationConfig, out: Path, base: Path = Path("."), prog
         for draft, concurrency, repeat, prompt in todo:
             bar.set_postfix_str(f"{draft.name} c={concurrency}")
             chosen = token_ids if prompt is None else [token_ids[prompt]]
+            measuring[:] = [draft.name]
             m = _measure(engine, chosen, config.sampling(draft), concurrency)
+            measuring.clear()
             category = "all" if prompt is None else prompts[prompt].category
             results.add(Measurement(draft.name, concurrency, repeat, prompt, category, **m))
             bar.update()

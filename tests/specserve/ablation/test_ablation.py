@@ -52,7 +52,7 @@ def test_bad_configs_say_what_to_change(tmp_path, tiny_chat_model, change, messa
 
 
 def test_a_smoke_ablation_reports_consistent_numbers_and_resumes(tmp_path, tiny_chat_model, monkeypatch):
-    path, out = smoke_config(tmp_path, tiny_chat_model), tmp_path / "out"
+    path, out = smoke_config(tmp_path, tiny_chat_model, tree_report="ngram b4 dynamic k4"), tmp_path / "out"
     config = load_ablation(path)
 
     # Interrupt the run after a few measurements: what was measured is kept.
@@ -101,6 +101,14 @@ def test_a_smoke_ablation_reports_consistent_numbers_and_resumes(tmp_path, tiny_
     for plot in ("speedup_by_category", "acceptance_by_depth", "mat_vs_budget", "throughput_vs_concurrency"):
         assert (out / f"{plot}.png").stat().st_size > 1000 and f"({plot}.png)" in report
     assert write_report(out / "results.json") == out / "report.md"  # --report-only's path
+
+    # The tree report counts every verifying step of its configuration, resumed or not.
+    trees = results["trees"]
+    steps = sum(m["verify_steps"] for m in results["measurements"] if m["config"] == "ngram b4 dynamic k4")
+    assert trees["config"] == "ngram b4 dynamic k4" and trees["steps"] == steps > 0
+    assert sum(s["count"] for s in trees["shapes"]) == steps
+    assert all(s["accepted"][0] == s["count"] and len(s["parents"]) <= 5 for s in trees["shapes"])
+    assert (out / "tree_shapes.png").stat().st_size > 1000
 
 
 def test_a_changed_config_does_not_resume_into_old_results(tmp_path, tiny_chat_model):
