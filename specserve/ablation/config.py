@@ -175,6 +175,7 @@ def load_ablation(path: str | Path) -> AblationConfig:
         SamplingParams(**generation)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: generation: {error}") from None
+    _check_engine(raw.get("engine") or {}, path)
     concurrency = raw.get("concurrency", [1])
     concurrency = concurrency if isinstance(concurrency, list) else [concurrency]
     if not concurrency or not all(isinstance(c, int) and c >= 1 for c in concurrency):
@@ -191,6 +192,23 @@ def load_ablation(path: str | Path) -> AblationConfig:
     if config.tree_report is not None and config.tree_report not in names:
         raise ValueError(f"{path}: tree_report {config.tree_report!r} is not a configuration; use one of {names[1:]}")
     return config
+
+
+def _check_engine(engine: dict, path: Path) -> None:
+    """`engine:` holds EngineConfig fields, except the drafter (the grid's drafters load)."""
+    from dataclasses import fields
+
+    from specserve.config import EngineConfig
+
+    allowed = {f.name for f in fields(EngineConfig)} - {"draft"}
+    unknown = sorted(set(engine) - allowed)
+    if unknown:
+        raise ValueError(f"{path}: engine has unknown keys {unknown} (the grid names the drafters); use "
+                         f"{', '.join(sorted(allowed))}")
+    try:
+        EngineConfig(**engine)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: engine: {error}") from None
 
 
 def expand_grid(grid: Any, path: Path) -> list[DraftConfig]:

@@ -43,6 +43,8 @@ def test_the_grid_is_every_combination_after_the_baseline(tmp_path, tiny_chat_mo
     ({"prompts": {"spec_bench": {"categories": ["poetry"]}}}, "unknown ['poetry']"),
     ({"tree_report": "ngram b9 chain"}, "is not a configuration"),
     ({"colour": "red"}, "unknown keys ['colour']"),
+    ({"engine": {"draft": "ngram"}}, "engine has unknown keys ['draft']"),
+    ({"engine": {"speculation": "sometimes"}}, "engine: speculation 'sometimes'"),
 ])
 def test_bad_configs_say_what_to_change(tmp_path, tiny_chat_model, change, message):
     with pytest.raises(ValueError) as error:
@@ -118,3 +120,10 @@ def test_a_changed_config_does_not_resume_into_old_results(tmp_path, tiny_chat_m
     config = load_ablation(smoke_config(tmp_path, tiny_chat_model))
     with pytest.raises(ValueError, match="different config"):
         runner.Results(out / "results.json", config)
+
+
+@pytest.mark.parametrize("name", ["drafters", "tree-shape", "load", "qwen-pair", "smoke"])
+def test_the_shipped_ablations_load(name):
+    config = load_ablation(SMOKE.parent / f"{name}.yaml")
+    assert config.name == name and len(config.configurations) >= 2
+    assert config.load_prompts(SMOKE.parent)
