@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 BASELINE_NAME = "no-spec"
@@ -22,12 +23,7 @@ def summarize(results: dict) -> dict:
     single = [m for m in results["measurements"] if m["concurrency"] == 1]
     configs = list(dict.fromkeys(m["config"] for m in results["measurements"]))
     categories = list(dict.fromkeys(m["category"] for m in single))
-    # (config, category, repeat) -> [tokens, seconds]
-    sums: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
-    for m in single:
-        cell = sums[m["config"], m["category"], m["repeat"]]
-        cell[0] += m["tokens"]
-        cell[1] += m["seconds"]
+    sums = _totals(single, lambda m: (m["config"], m["category"], m["repeat"]))
     table: dict[str, dict[str, dict]] = {}
     for config in configs:
         rows = {}
@@ -47,26 +43,31 @@ def summarize(results: dict) -> dict:
                               else None, **_spec(chosen)}
         if rows:
             table[config] = rows
+    # Aggregate throughput per concurrency: per repeat, all tokens over all seconds (at c = 1 the
+    # requests ran one at a time, so that is their sum); speed-up per repeat against the baseline's.
+    rates: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    totals = _totals(results["measurements"], lambda m: (m["config"], m["concurrency"], m["repeat"]))
+    for (config, c, repeat), (tokens, seconds) in totals.items():
+        if seconds > 0:
+            rates[config, c][repeat] = tokens / seconds
     throughput: dict[str, dict[int, dict]] = defaultdict(dict)
-    loads = sorted({m["concurrency"] for m in results["measurements"]})
-    for config in configs:
-        for c in loads:
-            runs = [m for m in results["measurements"] if m["config"] == config and m["concurrency"] == c]
-            if c == 1:
-                by_repeat = defaultdict(lambda: [0, 0.0])
-                for m in runs:
-                    by_repeat[m["repeat"]][0] += m["tokens"]
-                    by_repeat[m["repeat"]][1] += m["seconds"]
-                rates = [t / s for t, s in by_repeat.values() if s > 0]
-            else:
-                rates = [m["tokens"] / m["seconds"] for m in runs if m["seconds"] > 0]
-            if rates:
-                throughput[config][c] = {"tok_s": statistics.median(rates), **_spec(runs)}
-    for by_load in throughput.values():
-        for c, row in by_load.items():
-            base = throughput.get(BASELINE_NAME, {}).get(c)
-            row["speedup"] = row["tok_s"] / base["tok_s"] if base else None
+    for (config, c), by_repeat in rates.items():
+        base = rates.get((BASELINE_NAME, c), {})
+        ratios = [r / base[k] for k, r in by_repeat.items() if base.get(k)]
+        runs = [m for m in results["measurements"] if m["config"] == config and m["concurrency"] == c]
+        throughput[config][c] = {"tok_s": statistics.median(by_repeat.values()),
+                                 "speedup": statistics.median(ratios) if ratios else None, **_spec(runs)}
     return {"categories": categories, "configs": configs, "per_category": table, "throughput": dict(throughput)}
+
+
+def _totals(measurements: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[float]]:
+    """key(measurement) -> [tokens, seconds] summed."""
+    totals: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
+    for m in measurements:
+        cell = totals[key(m)]
+        cell[0] += m["tokens"]
+        cell[1] += m["seconds"]
+    return totals
 
 
 def _rate(sums: dict, config: str, category: str, repeat: int, categories: list[str]) -> float | None:
