@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -25,6 +24,8 @@ import torch
 from report import write_report
 from tqdm import tqdm
 
+from specserve.ablation.config import SPEC_BENCH
+from specserve.ablation.config import spec_bench_by_category as spec_bench_questions
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.outputs import RequestOutput
@@ -32,18 +33,6 @@ from specserve.pull import resolve_model
 from specserve.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_questions.jsonl"
-
-
-def spec_bench_questions(path: Path) -> dict[str, list[str]]:
-    """First turns of Spec-Bench's questions by category, in file order."""
-    if not path.exists():
-        raise SystemExit(f"{path} not found: pass --questions PATH to Spec-Bench's question.jsonl")
-    by_category: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        by_category.setdefault(q["category"], []).append(q["turns"][0])
-    return by_category
 
 
 def load_prompts(engine: LLMEngine, questions: Path, count: int, max_prompt_tokens: int) -> list[list[int]]:

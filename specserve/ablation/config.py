@@ -113,13 +113,7 @@ class AblationConfig:
 def spec_bench_prompts(path: Path, categories: str | list[str], per_category: int) -> list[Prompt]:
     """The first turns of the first `per_category` Spec-Bench questions of each category, in
     round-robin order (so every prefix of the list covers the categories evenly)."""
-    if not path.exists():
-        raise FileNotFoundError(f"Spec-Bench questions not found at {path}: set prompts.spec_bench.file")
-    by_category: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            q = json.loads(line)
-            by_category.setdefault(q["category"], []).append(q["turns"][0])
+    by_category = spec_bench_by_category(path)
     if categories != "all":
         unknown = sorted(set(categories) - set(by_category))
         if unknown:
@@ -128,6 +122,19 @@ def spec_bench_prompts(path: Path, categories: str | list[str], per_category: in
         by_category = {c: by_category[c] for c in categories}
     rounds = [[Prompt(qs[i], c) for c, qs in by_category.items() if i < len(qs)] for i in range(per_category)]
     return [p for r in rounds for p in r]
+
+
+def spec_bench_by_category(path: Path) -> dict[str, list[str]]:
+    """First turns of Spec-Bench's questions by category, in file order."""
+    if not path.exists():
+        raise FileNotFoundError(f"Spec-Bench questions not found at {path}: give the path to its question.jsonl "
+                                "(an ablation's prompts.spec_bench.file, a benchmark's --questions)")
+    by_category: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            by_category.setdefault(q["category"], []).append(q["turns"][0])
+    return by_category
 
 
 def file_prompts(path: Path, count: int | None) -> list[Prompt]:
