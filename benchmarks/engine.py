@@ -14,10 +14,8 @@
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,9 +24,10 @@ from tqdm import tqdm
 
 from specserve.ablation.config import SPEC_BENCH
 from specserve.ablation.config import spec_bench_by_category as spec_bench_questions
+from specserve.closed_loop import ClosedLoop, run_to_completion
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
-from specserve.outputs import RequestOutput
+from specserve.machine import processor_name
 from specserve.pull import resolve_model
 from specserve.sampling import SamplingParams
 
@@ -62,69 +61,6 @@ def steal_share(before: list[int], after: list[int]) -> float:
     """The share of CPU time the hypervisor took from this VM between two `cpu_ticks()`."""
     deltas = [b - a for a, b in zip(before, after, strict=False)]
     return deltas[7] / sum(deltas) if len(deltas) > 7 and sum(deltas) > 0 else 0.0
-
-
-class ClosedLoop:
-    """Prompts sent to an engine all at once, or, with `concurrency`, by that many clients that
-    each send their next prompt as soon as their last one finished (a closed loop, like a
-    serving benchmark's concurrency limit). `busy_s`: the time spent in this engine's calls.
-
-    With `tokens`, the clients never run out (they cycle through the prompts) and the loop is
-    done once the engine generated that many tokens; the requests still running are then
-    aborted. That measures the steady state at `concurrency` requests in flight: a fixed list
-    run to completion ends in a drain, where the clients with the slowest requests are the only
-    ones left, and that drain sets the time of the whole run.
-
-    `params` may be a function of the request's number (0, 1, ...: e.g. lengths that vary by
-    request, the same for every engine given the same function)."""
-
-    def __init__(self, engine: LLMEngine, prompts: list[list[int]],
-                 params: SamplingParams | Callable[[int], SamplingParams] | None,
-                 concurrency: int | None = None, tokens: int | None = None):
-        start = time.perf_counter()
-        self.engine, self.params, self.prompts, self.target = engine, params, prompts, tokens
-        self.sent, self.generated = 0, 0
-        self.finished: list[RequestOutput] = []
-        self.aborted: list[RequestOutput] = []
-        self._running: set[str] = set()
-        for _ in range(min(concurrency or len(prompts), len(prompts))):
-            self._submit()
-        self.busy_s = time.perf_counter() - start
-
-    @property
-    def done(self) -> bool:
-        return not self.engine.has_unfinished()
-
-    def step(self) -> None:
-        start = time.perf_counter()
-        for output in self.engine.step():
-            self.generated += sum(len(c.delta_token_ids) for c in output.outputs)
-            if output.finished:
-                self.finished.append(output)
-                self._running.discard(output.request_id)
-                if self.target is not None or self.sent < len(self.prompts):
-                    self._submit()
-        self.busy_s += time.perf_counter() - start
-        if self.target is not None and self.generated >= self.target:
-            self.aborted += [out for rid in sorted(self._running) if (out := self.engine.abort(rid))]
-            self._running.clear()
-
-    def _submit(self) -> None:
-        request_id = f"b{self.sent}"
-        params = self.params(self.sent) if callable(self.params) else self.params
-        self.engine.add_request(request_id, self.prompts[self.sent % len(self.prompts)], params)
-        self._running.add(request_id)
-        self.sent += 1
-
-
-def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-                      concurrency: int | None = None) -> tuple[list[RequestOutput], float, float]:
-    """Run every prompt to completion (see `ClosedLoop`): (outputs, start time, wall seconds)."""
-    start = time.perf_counter()
-    loop = ClosedLoop(engine, prompts, params, concurrency)
-    while not loop.done:
-        loop.step()
-    return loop.finished, start, time.perf_counter() - start
 
 
 def run_interleaved(loops: list[ClosedLoop]) -> None:
@@ -220,7 +156,7 @@ def main() -> None:
     result = {
         "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "batch1_decode": decode,
+        "machine": processor_name(), "batch1_decode": decode,
         "concurrency": {str(c): v for c, v in concurrency.items()},
     }
     ms = 1000

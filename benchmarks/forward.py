@@ -11,7 +11,6 @@ the ratio ours / transformers (lower is better; the target is <= 1.2 in bf16).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from report import write_report
 from tqdm import tqdm
 
 from specserve.kv_cache import KVCache
+from specserve.machine import processor_name
 from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.models.loader import load_model, parse_dtype
 from specserve.pull import resolve_model
@@ -113,7 +113,7 @@ def main() -> None:
     result = {
         "benchmark": "forward", "model": args.model, "dtype": args.dtype, "prefix": args.prefix,
         "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "machine": processor_name(), "torch": torch.__version__,
         "rows": rows,
     }
     write_report(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from report import write_report
 from safetensors.torch import load_file
 
 from drafters.heads import HeadConfig, find_head
+from specserve.machine import processor_name
 from specserve.training.data import GenerationSettings, extract, generate
 from specserve.training.heads import TrainableHead
 from specserve.training.train import (
@@ -148,7 +148,7 @@ def main() -> None:
         print(f"fit: depth-1 {key} = {intercept:.3f} + {slope:.3f} log2(tokens); ratios {ratios}")
 
     result = {
-        "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "machine": processor_name(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "model": args.model, "samples": args.samples, "settings": vars(args) | {
             "questions": str(args.questions)},
         "train_settings": settings.__dict__, "spec_bench_answers": len(bench), "runs": runs,

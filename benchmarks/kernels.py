@@ -44,6 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 from kernels import reference  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
+from specserve.machine import processor_name  # noqa: E402
 from specserve.tree import TokenTree  # noqa: E402
 
 sys.path.append(str(HERE))
@@ -154,7 +155,7 @@ def main() -> None:
     from kernels import tree_attention as kernel
 
     time_ms = timer(args.device, args.rep_ms)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({platform.processor() or 'unknown'})"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({processor_name()})"
     copy_bw = measured_copy_bandwidth(args.device, time_ms)
     sheet_bw = datasheet_bandwidth(device) if args.device == "cuda" else None
     scale = args.head_dim**-0.5

@@ -30,7 +30,6 @@ EOS is ignored everywhere so that every run generates the same number of tokens.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import time
@@ -39,19 +38,19 @@ from pathlib import Path
 import torch
 from engine import (  # benchmarks/engine.py
     SPEC_BENCH,
-    ClosedLoop,
     cpu_ticks,
     load_prompts,
     run_interleaved,
-    run_to_completion,
     steal_share,
 )
 from engine import spec_bench_questions as questions
 from report import write_report
 from tqdm import tqdm
 
+from specserve.closed_loop import ClosedLoop, run_to_completion
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
+from specserve.machine import processor_name
 from specserve.outputs import RequestOutput
 from specserve.pull import resolve_model
 from specserve.sampling import SamplingParams
@@ -334,7 +333,7 @@ def part_c(args) -> None:
 
 
 def _machine() -> dict:
-    return {"processor": platform.processor(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {"processor": processor_name(), "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def main() -> None:

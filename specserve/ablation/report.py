@@ -101,9 +101,9 @@ def write_report(results_path: Path, out: Path | None = None) -> Path:
     if trees and trees["steps"]:
         from specserve.ablation.trees import draw_tree_shapes
 
-        draw_tree_shapes(trees["shapes"][:6], out / "tree_shapes.png",
-                         f"{trees['config']}: the most common drafted trees, nodes shaded by how often accepted",
-                         trees["steps"])
+        draw_tree_shapes(trees, out / "tree_shapes.png",
+                         f"{trees['config']}: where the drafted trees put their nodes and where the target "
+                         "accepted them")
         plots.append("tree_shapes")
     lines = [f"# Ablation: {results['config']['name']}", "", _caption(results), ""]
     lines += _category_table(summary)

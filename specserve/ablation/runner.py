@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,8 @@ from tqdm import tqdm
 
 from specserve.ablation.config import AblationConfig, DraftConfig
 from specserve.ablation.trees import TreeShapes
+from specserve.closed_loop import run_to_completion
+from specserve.machine import processor_name
 from specserve.sequence import SpecStats
 
 
@@ -61,7 +62,7 @@ class Results:
                 raise ValueError(f"{path} holds a run of a different config (settings changed since): "
                                  "give another --out, or delete it to start over")
             self.measurements = [Measurement(**m) for m in saved["measurements"]]
-            self.trees = TreeShapes(saved.get("trees", {}).get("shapes"))
+            self.trees = TreeShapes(saved.get("trees"))
         self.done = {m.key for m in self.measurements}
 
     def add(self, measurement: Measurement) -> None:
@@ -76,15 +77,14 @@ class Results:
 
         data = {
             "fingerprint": self.config.fingerprint(), "config": asdict(self.config),
-            "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "machine": {"processor": processor_name(), "cpus": os.cpu_count(),
                         "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()},
             "versions": {"specserve": getattr(specserve, "__version__", "dev"), "torch": torch.__version__,
                          "python": platform.python_version()},
             "prompts": self.prompts, "measurements": [asdict(m) for m in self.measurements],
         }
         if self.config.tree_report is not None:
-            data["trees"] = {"config": self.config.tree_report, "steps": self.trees.total,
-                             "shapes": self.trees.most_common(500)}
+            data["trees"] = {"config": self.config.tree_report, **self.trees.to_json()}
         temporary = self.path.with_suffix(".json.tmp")
         temporary.write_text(json.dumps(data, indent=1))
         temporary.replace(self.path)  # atomic: an interrupt never leaves half a file
@@ -129,7 +129,7 @@ def run_ablation(config: AblationConfig, out: Path, base: Path = Path("."), prog
     if todo:
         for c in config.configurations:  # warm-up: every shape each configuration runs, once untimed
             for _ in range(config.warmup):
-                _run(engine, [token_ids[0]], config.sampling(c), 1)
+                run_to_completion(engine, [token_ids[0]], config.sampling(c), 1)
     with tqdm(total=len(cells), initial=len(cells) - len(todo), desc=f"ablation {config.name}", unit="run",
               disable=not progress) as bar:
         for draft, concurrency, repeat, prompt in todo:
@@ -147,9 +147,7 @@ def run_ablation(config: AblationConfig, out: Path, base: Path = Path("."), prog
 def _measure(engine, prompts: list[list[int]], params, concurrency: int) -> dict:
     metrics = engine.metrics
     before = (metrics.draft_s, metrics.target_s + metrics.verify_s)
-    start = time.perf_counter()
-    outputs = _run(engine, prompts, params, concurrency)
-    seconds = time.perf_counter() - start
+    outputs, _, seconds = run_to_completion(engine, prompts, params, concurrency)
     spec = SpecStats()
     for o in outputs:
         spec.add(o.metrics.spec)
@@ -158,21 +156,3 @@ def _measure(engine, prompts: list[list[int]], params, concurrency: int) -> dict
             "accepted_tokens": spec.accepted_tokens, "accepted_at_depth": list(spec.accepted_at_depth),
             "draft_s": metrics.draft_s - before[0], "verify_s": metrics.target_s + metrics.verify_s - before[1],
             "output": list(outputs[0].outputs[0].token_ids) if len(outputs) == 1 else []}
-
-
-def _run(engine, prompts: list[list[int]], params, concurrency: int) -> list:
-    """Every prompt to completion with at most `concurrency` in flight; outputs in prompt order."""
-    pending = list(enumerate(prompts))[::-1]
-    finished: dict[int, object] = {}
-    in_flight = 0
-    prefix = f"ablate-{time.monotonic_ns()}-"
-    while pending or in_flight:
-        while pending and in_flight < concurrency:
-            index, ids = pending.pop()
-            engine.add_request(f"{prefix}{index}", ids, params)
-            in_flight += 1
-        for out in engine.step():
-            if out.finished:
-                finished[int(out.request_id.removeprefix(prefix))] = out
-                in_flight -= 1
-    return [finished[i] for i in range(len(prompts))]

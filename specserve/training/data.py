@@ -75,6 +75,7 @@ def load_instructions(files: Sequence[Path], samples: int, seed: int) -> list[st
 def generate(engine, instructions: Sequence[str], settings: GenerationSettings, cache_file: Path,
              max_in_flight: int = 128, progress: bool = True) -> list[Example]:
     """The target's answers to `instructions` (chat template), resuming from `cache_file`."""
+    from specserve.closed_loop import ClosedLoop
     from specserve.sampling import SamplingParams
 
     done: dict[int, Example] = {}
@@ -87,37 +88,26 @@ def generate(engine, instructions: Sequence[str], settings: GenerationSettings, 
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     params = SamplingParams(max_tokens=settings.max_new_tokens, temperature=settings.temperature,
                             seed=settings.seed)
-    pending = iter(todo)
-    in_flight: set[str] = set()
     with cache_file.open("a") as sink, tqdm(total=len(instructions), initial=len(done), desc="generate answers",
                                             unit="answer", disable=not progress) as bar:
 
-        def admit() -> None:
-            while len(in_flight) < max_in_flight:
-                index = next(pending, None)
-                if index is None:
-                    return
-                prompt = engine.encode(instructions[index], chat=True)
-                if len(prompt) > settings.max_prompt_tokens:
-                    done[index] = Example(prompt, [])  # skipped: recorded so a resume skips it too
-                    sink.write(json.dumps({"index": index, "prompt_ids": prompt, "output_ids": []}) + "\n")
-                    bar.update()
-                    continue
-                engine.add_request(str(index), prompt, params, prompt_ids=prompt)
-                in_flight.add(str(index))
+        def record(index: int, example: Example) -> None:
+            done[index] = example
+            sink.write(json.dumps({"index": index, **asdict(example)}) + "\n")
+            sink.flush()
+            bar.update()
 
-        admit()
-        while in_flight:
-            for out in engine.step():
-                if out.finished:
-                    index = int(out.request_id)
-                    in_flight.discard(out.request_id)
-                    example = Example(list(out.prompt_token_ids), list(out.outputs[0].token_ids))
-                    done[index] = example
-                    sink.write(json.dumps({"index": index, **asdict(example)}) + "\n")
-                    sink.flush()
-                    bar.update()
-            admit()
+        prompts = {index: engine.encode(instructions[index], chat=True) for index in todo}
+        for index in todo:
+            if len(prompts[index]) > settings.max_prompt_tokens:
+                record(index, Example(prompts[index], []))  # skipped: recorded so a resume skips it too
+        kept = [index for index in todo if index not in done]
+        loop = ClosedLoop(engine, [prompts[index] for index in kept], params, concurrency=max_in_flight)
+        while not loop.done:
+            loop.step()
+            for out in loop.finished:
+                record(kept[loop.number(out)], Example(list(out.prompt_token_ids), list(out.outputs[0].token_ids)))
+            loop.finished.clear()
     return [done[i] for i in range(len(instructions)) if done[i].output_ids]
 
 

@@ -13,7 +13,9 @@ from specserve.ablation import config as ablation_config
 from specserve.ablation import runner
 from specserve.ablation.config import DraftConfig, load_ablation
 from specserve.ablation.report import summarize, write_report
+from specserve.ablation.trees import TreeShapes, node_positions
 from specserve.cli import main
+from specserve.tree import TokenTree
 
 SMOKE = Path(__file__).resolve().parents[3] / "configs" / "ablations" / "smoke.yaml"
 SPEC_BENCH_52 = Path(__file__).resolve().parents[2] / "data" / "spec_bench_52.jsonl"
@@ -122,10 +124,19 @@ def test_a_smoke_ablation_reports_consistent_numbers_and_resumes(tmp_path, tiny_
 
     # The tree report counts every verifying step of its configuration, resumed or not.
     trees = results["trees"]
-    steps = sum(m["verify_steps"] for m in results["measurements"] if m["config"] == "ngram b4 dynamic k4")
+    measured = [m for m in results["measurements"] if m["config"] == "ngram b4 dynamic k4"]
+    steps = sum(m["verify_steps"] for m in measured)
     assert trees["config"] == "ngram b4 dynamic k4" and trees["steps"] == steps > 0
     assert sum(s["count"] for s in trees["shapes"]) == steps
     assert all(s["accepted"][0] == s["count"] and len(s["parents"]) <= 5 for s in trees["shapes"])
+    positions = {tuple(p["position"]): p for p in trees["positions"]}
+    assert positions[()]["drafted"] == positions[()]["accepted"] == steps
+    drafted = [p for p in positions if p]
+    assert sum(positions[p]["drafted"] for p in drafted) == sum(m["drafted_tokens"] for m in measured)
+    for depth in range(1, 5):
+        accepted = sum(m["accepted_at_depth"][depth - 1] for m in measured if len(m["accepted_at_depth"]) >= depth)
+        assert sum(positions[p]["accepted"] for p in drafted if len(p) == depth) == accepted
+    assert all(positions[p]["accepted"] <= positions[p]["drafted"] <= positions[p[:-1]]["drafted"] for p in drafted)
     assert (out / "tree_shapes.png").stat().st_size > 1000
 
 
@@ -136,6 +147,19 @@ def test_a_changed_config_does_not_resume_into_old_results(tmp_path, tiny_chat_m
     config = load_ablation(smoke_config(tmp_path, tiny_chat_model))
     with pytest.raises(ValueError, match="different config"):
         runner.Results(out / "results.json", config)
+
+
+def test_tree_positions_name_nodes_by_sibling_ranks_and_add_up_over_steps():
+    assert node_positions((-1, 0, 0, 1, 2, 1)) == [(), (0,), (1,), (0, 0), (1, 0), (0, 1)]
+    shapes = TreeShapes()
+    shapes.observe(TokenTree((5, 6, 7, 8, 9, 10), (-1, 0, 0, 1, 2, 1)), [0, 1, 5])
+    shapes.observe(TokenTree.chain([5, 6, 7]), [0])
+    saved = json.loads(json.dumps(shapes.to_json()))  # what results.json holds, resumed from
+    resumed = TreeShapes(saved)
+    resumed.observe(TokenTree.chain([5, 6]), [0, 1])
+    counts = {tuple(p["position"]): (p["drafted"], p["accepted"]) for p in resumed.to_json()["positions"]}
+    assert counts == {(): (3, 3), (0,): (3, 2), (1,): (1, 0), (0, 0): (2, 0), (1, 0): (1, 0), (0, 1): (1, 1)}
+    assert resumed.steps == 3 and [s["count"] for s in resumed.most_common()] == [1, 1, 1]
 
 
 @pytest.mark.parametrize("name", ["drafters", "tree-shape", "load", "qwen-pair", "smoke"])

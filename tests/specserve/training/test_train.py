@@ -12,7 +12,7 @@ from drafters.heads import HeadConfig
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.sampling import SamplingParams
-from specserve.training.data import GenerationSettings, load_instructions
+from specserve.training.data import GenerationSettings, generate, load_instructions
 from specserve.training.heads import TrainableHead
 from specserve.training.train import TrainSettings, train_drafter
 
@@ -50,6 +50,21 @@ def test_instructions_join_the_input_and_shuffle_by_seed(instructions):
     assert len(turns) == 48 and turns != load_instructions([instructions], 48, seed=1)
     assert any(t.endswith("\n\nStyle 0") for t in turns)
     assert sorted(turns) == sorted(load_instructions([instructions], 48, seed=1))
+
+
+def test_answers_resume_from_their_cache_and_skip_prompts_too_long(peaked_chat_model, tmp_path):
+    engine = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB"))
+    texts = [f"Write two sentences about {topic}." for topic in TOPICS[:5]] + ["Tell me " + "a lot " * 60]
+    settings = GenerationSettings(samples=6, max_new_tokens=6, max_prompt_tokens=40)
+    cache = tmp_path / "answers.jsonl"
+    first = generate(engine, texts, settings, cache, max_in_flight=2, progress=False)
+    assert len(first) == 5 and all(len(e.output_ids) == 6 or e.output_ids[-1] == 2 for e in first)
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 6 and {json.loads(line)["index"] for line in lines} == set(range(6))
+
+    cache.write_text("\n".join(lines[:3]) + "\n")  # interrupted after three answers
+    again = generate(engine, texts, settings, cache, max_in_flight=2, progress=False)
+    assert again == first and len(cache.read_text().splitlines()) == 6
 
 
 @pytest.mark.parametrize("kind", ["feature", "early-exit"])
