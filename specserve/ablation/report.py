@@ -57,7 +57,31 @@ def summarize(results: dict) -> dict:
         runs = [m for m in results["measurements"] if m["config"] == config and m["concurrency"] == c]
         throughput[config][c] = {"tok_s": statistics.median(by_repeat.values()),
                                  "speedup": statistics.median(ratios) if ratios else None, **_spec(runs)}
-    return {"categories": categories, "configs": configs, "per_category": table, "throughput": dict(throughput)}
+    greedy = results["config"]["generation"].get("temperature", 1.0) == 0
+    return {"categories": categories, "configs": configs, "per_category": table, "throughput": dict(throughput),
+            "agreement": output_agreement(single) if greedy else {}}
+
+
+def output_agreement(single: list[dict]) -> dict[str, dict]:
+    """Per configuration, how its greedy outputs compare with the baseline's on the same prompt
+    and repeat: how many are identical, and the mean share of a reply before the first
+    difference. In fp32 every one is identical (the engine's tests); in bf16 a verifying
+    forward rounds differently from a one-token decode, so near-ties can flip."""
+    base = {(m["prompt"], m["repeat"]): m["output"] for m in single if m["config"] == BASELINE_NAME}
+    pairs: dict[str, list[tuple[list[int], list[int]]]] = defaultdict(list)
+    for m in single:
+        if m["config"] != BASELINE_NAME and m["output"] and (m["prompt"], m["repeat"]) in base:
+            pairs[m["config"]].append((base[m["prompt"], m["repeat"]], m["output"]))
+    agreement = {}
+    for config, outputs in pairs.items():
+        shares = [_common_prefix(a, b) / max(len(a), 1) for a, b in outputs]
+        agreement[config] = {"identical": sum(a == b for a, b in outputs), "of": len(outputs),
+                             "prefix_share": statistics.mean(shares)}
+    return agreement
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _totals(measurements: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[float]]:
@@ -155,17 +179,27 @@ def _category_table(summary: dict) -> list[str]:
 
 
 def _detail_table(summary: dict) -> list[str]:
+    agreement = summary.get("agreement", {})
     lines = ["", "## Per configuration, all prompts", "",
              "| configuration | tok/s | speed-up | MAT | drafted/step | acceptance by depth | draft time | "
-             "verify time |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+             "verify time |" + (" same output as no-spec |" if agreement else ""),
+             "|---|---:|---:|---:|---:|---|---:|---:|" + ("---:|" if agreement else "")]
     for config in summary["configs"]:
         row = summary["per_category"].get(config, {}).get("all")
         if row is None:
             continue
         depths = " / ".join(f"{a:.0%}" for a in row["acceptance_by_depth"][:6]) or "-"
+        same = agreement.get(config)
         lines.append(f"| {config} | {row['tok_s']:.1f} | {_fmt(row['speedup'], '{:.2f}x')} | {_fmt(row['mat'])} | "
                      f"{_fmt(row['drafted_per_step'], '{:.1f}')} | {depths} | {_fmt(row['draft_share'], '{:.0%}')} | "
-                     f"{_fmt(row['verify_share'], '{:.0%}')} |")
+                     f"{_fmt(row['verify_share'], '{:.0%}')} |"
+                     + ((f" {same['identical']}/{same['of']} ({same['prefix_share']:.0%})" if same else " -") + " |"
+                        if agreement else ""))
+    if agreement:
+        lines += ["", "Same output as no-spec: greedy replies identical to the baseline's on the same prompt, and "
+                  "(in brackets) the mean share of a reply before the first difference. Speculation is exact "
+                  "in fp32; in bf16 a verifying forward of many tokens rounds differently from a one-token "
+                  "decode, so where the target's top two tokens nearly tie either may win."]
     return lines
 
 

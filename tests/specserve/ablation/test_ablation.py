@@ -12,7 +12,7 @@ import yaml
 from specserve.ablation import config as ablation_config
 from specserve.ablation import runner
 from specserve.ablation.config import DraftConfig, load_ablation
-from specserve.ablation.report import summarize, write_report
+from specserve.ablation.report import output_agreement, summarize, write_report
 from specserve.ablation.trees import TreeShapes, node_positions
 from specserve.cli import main
 from specserve.tree import TokenTree
@@ -106,6 +106,9 @@ def test_a_smoke_ablation_reports_consistent_numbers_and_resumes(tmp_path, tiny_
             outputs.setdefault(m["prompt"], set()).add(tuple(m["output"]))
     assert all(len(o) == 1 for o in outputs.values())
     summary = summarize(results)
+    # fp32: every configuration's output is the baseline's (2 prompts x 2 repeats)
+    assert summary["agreement"] == {name: {"identical": 4, "of": 4, "prefix_share": 1.0}
+                                    for name in summary["configs"] if name != "no-spec"}
     base = summary["per_category"]["no-spec"]
     assert all(row["speedup"] == pytest.approx(1.0) and row["mat"] is None for row in base.values())
     for name in ("ngram b2 chain", "ngram b4 dynamic k4"):
@@ -147,6 +150,18 @@ def test_a_changed_config_does_not_resume_into_old_results(tmp_path, tiny_chat_m
     config = load_ablation(smoke_config(tmp_path, tiny_chat_model))
     with pytest.raises(ValueError, match="different config"):
         runner.Results(out / "results.json", config)
+
+
+def test_output_agreement_counts_identical_replies_and_how_far_the_others_agree():
+    def m(config, prompt, repeat, output):
+        return {"config": config, "prompt": prompt, "repeat": repeat, "output": output}
+
+    single = [m("no-spec", 0, 0, [1, 2, 3, 4]), m("no-spec", 1, 0, [5, 6]), m("no-spec", 0, 1, [1, 2, 3, 4]),
+              m("a", 0, 0, [1, 2, 9, 9]), m("a", 1, 0, [5, 6]), m("a", 0, 1, [1, 2, 3, 4]),
+              m("b", 0, 0, [7, 2, 3, 4])]
+    agreement = output_agreement(single)
+    assert agreement["a"] == {"identical": 2, "of": 3, "prefix_share": pytest.approx((0.5 + 1 + 1) / 3)}
+    assert agreement["b"] == {"identical": 0, "of": 1, "prefix_share": 0.0}
 
 
 def test_tree_positions_name_nodes_by_sibling_ranks_and_add_up_over_steps():
