@@ -1,14 +1,17 @@
 """How far greedy replies agree across ways of running the same target: alone or batched, with
 speculation or without, in fp32 and bf16.
 
-Greedy speculation is exact in arithmetic: in fp32 every reply equals the plain one (the
-tests). In bf16 the target's logits depend on the shape of the forward they come from (how many
-tokens, how many requests' keys padded into one attention call), so where its top two tokens
-nearly tie either may win, and the replies part from there on. This measures how often that
-happens for speculation and, for comparison, for plain decoding batched with other requests.
+In fp32 every reply equals the plain one (the tests). In bf16 a request's logits could depend on
+what else shares its forward: CPU SDPA rounds a partial last block of keys differently, so a
+verification tree's keys after the root, or a longer request padded into the same call, changed
+the root's bits. Attention now runs over whole blocks of keys (`kernels.reference.KEY_ALIGN`).
+Prefills batched together still take other paths than a prompt's own prefill (a masked padded
+call instead of a causal one, per-block matmuls for long steps), so batched replies may still
+part at a near-tie.
 
-Reference: each prompt decoded alone without speculation. Compared: the same all at once
-(plain, batched), and speculation (n-gram, fixed trees) alone and all at once.
+Reference: each prompt decoded alone without speculation (prefix caching off throughout: a
+cached prefix makes the rest of a prompt a different forward). Compared: the same all at once
+(plain, batched), and n-gram speculation with chains and with trees.
 
     python benchmarks/greedy_agreement.py [--model smollm2-135m-instruct] [--prompts 13] [--max-tokens 128]
 """
@@ -31,16 +34,17 @@ from specserve.pull import resolve_model
 from specserve.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
-RUNS = {  # name: (speculate, requests in flight)
-    "plain, batched": (False, None),
-    "speculative, alone": (True, 1),
-    "speculative, batched": (True, None),
+RUNS = {  # name: (n-gram tree shape or None for no speculation, requests in flight)
+    "plain, batched": (None, None),
+    "chain, alone": ("chain", 1),
+    "tree, alone": ("tree", 1),
+    "tree, batched": ("tree", None),
 }
 
 
-def replies(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, speculate: bool,
+def replies(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, shape: str | None,
             concurrency: int | None) -> list[list[int]]:
-    speculation = {"drafter": "ngram"} if speculate else {"enabled": False}
+    speculation = {"drafter": "ngram", "tree": shape} if shape else {"enabled": False}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, speculation=speculation)
     outputs, _, _ = run_to_completion(engine, prompts, params, concurrency)
     return [list(o.outputs[0].token_ids) for o in outputs]
@@ -62,11 +66,11 @@ def main() -> None:
             engine = LLMEngine(path, dtype, EngineConfig(draft="ngram", speculation="fixed",
                                                          enable_prefix_caching=False, kv_cache_memory="1GiB"))
             prompts = load_prompts(engine, SPEC_BENCH, args.prompts, max_prompt_tokens=256)
-            reference = replies(engine, prompts, args.max_tokens, False, 1)
+            reference = replies(engine, prompts, args.max_tokens, None, 1)
             bar.update()
             rows = [{"config": "no-spec", "prompt": i, "repeat": 0, "output": r} for i, r in enumerate(reference)]
-            for name, (speculate, concurrency) in RUNS.items():
-                outputs = replies(engine, prompts, args.max_tokens, speculate, concurrency)
+            for name, (shape, concurrency) in RUNS.items():
+                outputs = replies(engine, prompts, args.max_tokens, shape, concurrency)
                 rows += [{"config": name, "prompt": i, "repeat": 0, "output": r} for i, r in enumerate(outputs)]
                 bar.update()
             measured[dtype] = output_agreement(rows)
@@ -77,7 +81,8 @@ def main() -> None:
     caption = (f"Greedy replies of {args.model} against each prompt decoded alone without speculation "
                f"({args.prompts} Spec-Bench prompts, {args.max_tokens} tokens, {processor_name()}): how many "
                "are identical, and the mean share of a reply before the first difference. Batched: all "
-               "prompts in flight at once. Speculative: n-gram lookup, fixed trees.")
+               "prompts in flight at once (their prefills batched). Chain / tree: n-gram lookup, fixed budgets, "
+               "trees grown level by level.")
     write_report(args.out, {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens,
                             "machine": processor_name(), "agreement": measured}, caption, header, table)
 

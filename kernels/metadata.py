@@ -176,22 +176,25 @@ class AttentionMetadata:
         per_node = (self.ancestor_mask.long() * bits).sum(-1)  # [B, max_n]
         return per_node.flatten()[self.padded_index]
 
-    def additive_key_mask(self, dtype: torch.dtype, repeats: int = 1) -> torch.Tensor:
+    def additive_key_mask(self, dtype: torch.dtype, repeats: int = 1, keys: int | None = None) -> torch.Tensor:
         """`key_mask` as 0 / -inf in `dtype`, built once per step instead of once per layer by SDPA.
 
         With `repeats`, the query axis repeats whole (`[B, 1, repeats * max_n, L]`): the mask of
-        query heads folded into the query axis, `repeats` heads per K/V head."""
-        cached = self._additive_masks.get((dtype, repeats))
+        query heads folded into the query axis, `repeats` heads per K/V head. With `keys`, the
+        key axis is padded to that length, the padding masked."""
+        length = keys or self.key_mask.shape[-1]
+        cached = self._additive_masks.get((dtype, repeats, length))
         if cached is None:
-            cached = torch.zeros(self.key_mask.shape, dtype=dtype, device=self.key_mask.device)
-            cached.masked_fill_(~self.key_mask, float("-inf"))
+            shape = (*self.key_mask.shape[:-1], length)
+            cached = torch.full(shape, float("-inf"), dtype=dtype, device=self.key_mask.device)
+            cached[..., : self.key_mask.shape[-1]].masked_fill_(self.key_mask, 0.0)
             if repeats > 1:
                 cached = cached.repeat(1, 1, repeats, 1)
-            self._additive_masks[(dtype, repeats)] = cached
+            self._additive_masks[(dtype, repeats, length)] = cached
         return cached
 
     @cached_property
-    def _additive_masks(self) -> dict[tuple[torch.dtype, int], torch.Tensor]:
+    def _additive_masks(self) -> dict[tuple[torch.dtype, int, int], torch.Tensor]:
         return {}
 
     @cached_property

@@ -17,6 +17,16 @@ import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 
+# Padded attention runs over a key axis rounded up to a multiple of this (the padding masked).
+# CPU SDPA rounds a query's result differently when the key axis ends in a partial block of
+# its vectorised loops, so without this a request's attention (in bf16 visibly) changes with
+# the keys the others in its call add: a decode batched with longer requests, or the root of a
+# verification tree, whose own tree adds keys after it. With whole blocks only, each query
+# gets the same bits whatever is padded after its keys; greedy speculation of requests served
+# one at a time is then exact in bf16 too (tests/specserve/test_speculative.py,
+# benchmarks/greedy_agreement.py).
+KEY_ALIGN = 32
+
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -60,6 +70,10 @@ def _padded_attention(
     blocks = meta.block_tables[:, : -(-seq_len // meta.block_size)].flatten()
     keys = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
     values = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
+    aligned = -(-seq_len // KEY_ALIGN) * KEY_ALIGN
+    if aligned > seq_len:  # zeros, not stale cache rows: a masked key must not bring a NaN
+        keys = F.pad(keys, (0, 0, 0, aligned - seq_len))
+        values = F.pad(values, (0, 0, 0, aligned - seq_len))
     if meta.is_rectangular:  # every tree the same size (e.g. all decoding): no padding to add or remove
         queries = q.view(batch, max_n, num_heads, head_dim)
     else:
@@ -70,7 +84,8 @@ def _padded_attention(
     # over the K/V heads, which CPU SDPA runs ~2x faster than its grouped-query path for trees.
     queries = queries.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * max_n, head_dim)
     out = F.scaled_dot_product_attention(
-        queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.additive_key_mask(q.dtype, group), scale=scale,
+        queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.additive_key_mask(q.dtype, group, aligned),
+        scale=scale,
     )
     out = out.view(batch, num_heads, max_n, head_dim).transpose(1, 2).reshape(batch * max_n, num_heads, head_dim)
     return out if meta.is_rectangular else out[meta.padded_index]

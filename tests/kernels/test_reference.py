@@ -211,3 +211,28 @@ def test_fresh_prefill_fast_path_matches_dense(heads, kv_heads, n):
     out = tree_attention(q, k, v, k_cache, v_cache, meta, 0.3)
     expected = dense_attention(q, k, v, torch.ones(n, n, dtype=torch.bool).tril(), 0.3)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_querys_bits_do_not_depend_on_the_keys_others_add():
+    """A decode alone, the same decode as the root of a tree (whose nodes add keys after it), and
+    the same decode padded into one call with a longer request: bit-identical outputs in bf16,
+    at every context length (CPU SDPA would round a partial last block of keys differently)."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    table, other = list(range(8)), list(range(8, 24))
+    k_cache = torch.randn(24, block_size, kv_heads, dim).bfloat16()
+    v_cache = torch.randn(24, block_size, kv_heads, dim).bfloat16()
+    q = torch.randn(5, heads, dim).bfloat16()
+    k, v = torch.randn(5, kv_heads, dim).bfloat16(), torch.randn(5, kv_heads, dim).bfloat16()
+
+    def attend(trees: list[TokenTree], contexts: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """The first query's output (its K/V and the cache the same in every call)."""
+        meta = AttentionMetadata.build(trees, contexts, tables, block_size)
+        rows = len(meta.slot_mapping)
+        return tree_attention(q[:rows], k[:rows], v[:rows], k_cache.clone(), v_cache.clone(), meta, dim**-0.5)[0]
+
+    for ctx in range(1, 100):
+        alone = attend([TokenTree.single(1)], [ctx], [table])
+        as_root = attend([TokenTree((1, 2, 3, 4, 5), (-1, 0, 0, 1, 2))], [ctx], [table])
+        batched = attend([TokenTree.single(1), TokenTree.single(2)], [ctx, ctx + 37], [table, other])
+        assert torch.equal(alone, as_root) and torch.equal(alone, batched), f"context {ctx}"

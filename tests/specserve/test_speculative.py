@@ -18,6 +18,7 @@ import torch
 
 from drafters import Drafter
 from specserve import verify as verify_module
+from specserve.closed_loop import run_to_completion
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.sampling import SamplingParams
@@ -103,6 +104,29 @@ def test_greedy_speculation_equals_plain_decoding(smollm2_path, smollm2_draft_pa
     assert engine.metrics.spec.accepted_tokens > 0, "some drafted tokens should have been accepted"
     if case == "preemption":
         assert sum(o.metrics.num_preemptions for o in outputs) > 0
+
+
+@pytest.mark.slow
+def test_greedy_chain_speculation_equals_plain_decoding_in_bf16_too(smollm2_path, spec_bench):
+    """In bf16 a verifying chain's logits match one-token decodes' bit for bit (attention keys
+    aligned: `kernels.reference.KEY_ALIGN`), so greedy chain speculation is exact there too, for
+    requests served one at a time. Branching trees agree too in practice, but not by construction:
+    an accepted node reads its keys with rejected siblings in between, which CPU SDPA may
+    (rarely) round differently. Prefills batched together take other paths altogether."""
+    prompts, _, categories = spec_bench
+    chosen = [prompts[i] for i, c in enumerate(categories) if c not in categories[:i]]  # one per category
+    engine = LLMEngine(smollm2_path, dtype="bfloat16",
+                       config=EngineConfig(speculation="fixed", draft="ngram+feature", kv_cache_memory="256MiB",
+                                         enable_prefix_caching=False))
+
+    def replies(speculation: dict) -> list[list[int]]:  # greedy, each prompt alone
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, speculation=speculation)
+        return [list(o.outputs[0].token_ids) for o in run_to_completion(engine, chosen, params, concurrency=1)[0]]
+
+    plain = replies({"enabled": False})
+    for drafter in ("ngram", "feature"):
+        assert replies({"drafter": drafter, "tree": "chain"}) == plain, f"{drafter}: bf16 chain output differs"
+    assert engine.metrics.spec.accepted_tokens > 0
 
 
 # -- sampling on a tiny random model with a small vocabulary -------------------------------------
