@@ -198,7 +198,8 @@ def _detail_table(summary: dict) -> list[str]:
     if agreement:
         lines += ["", "Same output as no-spec: greedy replies identical to the baseline's on the same prompt, and "
                   "(in brackets) the mean share of a reply before the first difference. Speculation is exact "
-                  "in fp32; in bf16 a verifying forward of many tokens rounds differently from a one-token "
+                  "in fp32, and in bf16 with chains; in a bf16 tree an accepted node reads its keys with "
+                  "rejected siblings in between, which CPU attention may round differently from a one-token "
                   "decode, so where the target's top two tokens nearly tie either may win."]
     return lines
 
