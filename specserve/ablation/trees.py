@@ -29,7 +29,6 @@ class TreeShapes:
 
     def __init__(self, saved: dict | None = None):
         saved = saved or {}
-        self.steps: int = saved.get("steps", 0)
         self.drafted: Counter[Position] = Counter()
         self.accepted: Counter[Position] = Counter()
         for entry in saved.get("positions", []):
@@ -44,7 +43,6 @@ class TreeShapes:
 
     def observe(self, tree: TokenTree, path: list[int]) -> None:
         """One verifying step: `tree` as drafted (node 0 the root), `path` the accepted nodes."""
-        self.steps += 1
         positions = node_positions(tree.parents)
         self.drafted.update(positions)
         self.accepted.update(positions[node] for node in path)
@@ -53,6 +51,10 @@ class TreeShapes:
         accepted = self.accepted_in_shape.setdefault(shape, [0] * len(shape))
         for node in path:
             accepted[node] += 1
+
+    @property
+    def steps(self) -> int:
+        return sum(self.count.values())
 
     def most_common_positions(self, n: int) -> list[dict]:
         """The `n` most often drafted positions, root included; a node is drafted whenever its
