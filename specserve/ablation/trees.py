@@ -43,7 +43,7 @@ class TreeShapes:
 
     def observe(self, tree: TokenTree, path: list[int]) -> None:
         """One verifying step: `tree` as drafted (node 0 the root), `path` the accepted nodes."""
-        positions = node_positions(tree.parents)
+        positions = node_positions(tree)
         self.drafted.update(positions)
         self.accepted.update(positions[node] for node in path)
         shape = tuple(tree.parents)
@@ -72,13 +72,12 @@ class TreeShapes:
                 "shapes": self.most_common()}
 
 
-def node_positions(parents: tuple[int, ...] | list[int]) -> list[Position]:
+def node_positions(tree: TokenTree) -> list[Position]:
     """Each node's sibling-rank path from the root (children ranked in node order)."""
-    positions: list[Position] = [()]
-    children = [0] * len(parents)
-    for parent in parents[1:]:
-        positions.append((*positions[parent], children[parent]))
-        children[parent] += 1
+    positions: list[Position] = [()] * len(tree)
+    for node, children in enumerate(tree.children):  # parents precede their children
+        for rank, child in enumerate(children):
+            positions[child] = (*positions[node], rank)
     return positions
 
 

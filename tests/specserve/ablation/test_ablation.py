@@ -165,9 +165,10 @@ def test_output_agreement_counts_identical_replies_and_how_far_the_others_agree(
 
 
 def test_tree_positions_name_nodes_by_sibling_ranks_and_add_up_over_steps():
-    assert node_positions((-1, 0, 0, 1, 2, 1)) == [(), (0,), (1,), (0, 0), (1, 0), (0, 1)]
+    tree = TokenTree((5, 6, 7, 8, 9, 10), (-1, 0, 0, 1, 2, 1))
+    assert node_positions(tree) == [(), (0,), (1,), (0, 0), (1, 0), (0, 1)]
     shapes = TreeShapes()
-    shapes.observe(TokenTree((5, 6, 7, 8, 9, 10), (-1, 0, 0, 1, 2, 1)), [0, 1, 5])
+    shapes.observe(tree, [0, 1, 5])
     shapes.observe(TokenTree.chain([5, 6, 7]), [0])
     saved = json.loads(json.dumps(shapes.to_json()))  # what results.json holds, resumed from
     resumed = TreeShapes(saved)
