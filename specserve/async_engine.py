@@ -9,6 +9,8 @@ so nothing else touches it; requests and aborts reach it through a queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
 import uuid
@@ -19,9 +21,16 @@ from specserve.engine import LLMEngine, Prompt
 from specserve.outputs import RequestOutput
 from specserve.sampling import SamplingParams
 
+logger = logging.getLogger("specserve")
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (its sampling, drafting or detokenizing raised); the
+    engine goes on serving the others."""
 
 
 @dataclass
@@ -35,7 +44,41 @@ class _Stream:
     outputs: asyncio.Queue  # RequestOutput items; a request's own error; or the loop's failure
 
     def put(self, item: RequestOutput | Exception | _LoopFailure) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+        # RuntimeError: its event loop is closed (the server shut down), so nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
+class RequestStream:
+    """A submitted request's outputs as they come (`async for`). Closing it before the last one,
+    iterated or not, aborts the request and frees its blocks."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self._engine, self.request_id, self._stream = engine, request_id, stream
+        self._finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._stream.outputs.get()
+        if isinstance(item, _LoopFailure):
+            self._finished = True
+            raise EngineDeadError(f"the engine loop failed: {item.error!r}") from item.error
+        if isinstance(item, Exception):
+            self._finished = True
+            raise item
+        self._finished = item.finished
+        if item.error is not None:
+            raise RequestFailedError(f"the engine failed this request: {item.error}")
+        return item
+
+    async def aclose(self) -> None:
+        if not self._finished:  # the consumer went away (client disconnect, cancellation)
+            self._finished = True
+            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -49,14 +92,19 @@ class AsyncEngine:
         # Called in the loop thread with every request's final output, aborted ones included
         # (the server's metrics: a client that went away still ended a request).
         self.on_finished: Callable[[RequestOutput], None] | None = None
+        # Called in the loop thread once, if the loop itself fails (the server exits non-zero so a
+        # supervisor restarts it, rather than answering 503 for ever).
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
         self._thread.start()
 
     # -- caller side (any thread with an event loop) -------------------------------------------------
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its output after every step that advanced it."""
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Register a request now, synchronously (so `num_unfinished` counts it before the caller
+        next awaits: admission limits hold under bursts), and return its outputs to iterate.
+        Call from the thread of the event loop that will consume them."""
         if self.error is not None or self._stopped:
             raise EngineDeadError(f"the engine is not running: {self.error or 'shut down'}")
         params = params or SamplingParams()
@@ -70,20 +118,17 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already running: use a unique id")
             self._streams[request_id] = stream
         self._inbox.put(("add", request_id, prompt, prompt_ids, params))
-        finished = False
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its output after every step that advanced it."""
+        outputs = self.submit(prompt, params, request_id)
         try:
-            while not finished:
-                item = await stream.outputs.get()
-                if isinstance(item, _LoopFailure):
-                    raise EngineDeadError(f"the engine loop failed: {item.error!r}") from item.error
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+            async for out in outputs:
+                yield out
         finally:
-            if not finished:  # the consumer went away (client disconnect, cancellation)
-                self.abort(request_id)
+            await outputs.aclose()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -117,11 +162,14 @@ class AsyncEngine:
                     for out in self.engine.step():
                         self._deliver(out)
         except BaseException as error:  # noqa: BLE001 -- every waiting caller must hear about it
+            logger.critical("the engine loop stopped; no request can be served until a restart", exc_info=error)
             self.error = error
             with self._lock:
                 streams, self._streams = list(self._streams.values()), {}
             for stream in streams:
                 stream.put(_LoopFailure(error))
+            if self.on_dead is not None:
+                self.on_dead(error)
         finally:
             self._stopped = True
 
@@ -132,8 +180,12 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, prompt_ids)
-            except ValueError as error:
+            except ValueError as error:  # bad input the caller's checks let through: the caller's 4xx
                 self._fail(request_id, error)
+            except Exception as error:  # noqa: BLE001 -- fails this request alone
+                logger.error("request %s could not be added", request_id, exc_info=error)
+                self._fail(request_id, RequestFailedError(f"the engine could not take this request: "
+                                                          f"{type(error).__name__}: {error}"))
         elif message[0] == "abort":
             out = self.engine.abort(message[1])
             if out is not None:

@@ -112,10 +112,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.drain_seconds))
+
+    def engine_died(_: BaseException) -> None:  # logged by the engine; exit non-zero so a supervisor restarts us
+        server.should_exit = True
+
+    engine.on_dead = engine_died
     try:
         server.run()
     finally:
         engine.shutdown()
+    if engine.error is not None:
+        print(f"specserve: the engine stopped: {engine.error!r}; exiting for a restart", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -39,9 +41,10 @@ from specserve.cost_model import decode_keys, load_or_measure
 from specserve.detokenizer import TextStream, load_tokenizer
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.model_runner import RequestOutput as ForwardResult
 from specserve.models.loader import load_model
 from specserve.outputs import RequestOutput, completion_output, request_metrics
-from specserve.sampling import SamplingParams, sample, top_logprobs
+from specserve.sampling import SamplingParams, normalized_drafter_spec, sample_row, top_logprobs
 from specserve.scheduler import ScheduledSequence, Scheduler
 from specserve.sequence import Sequence, SpecStats, TokenLogprob
 from specserve.speculation import SpeculationPolicy
@@ -52,6 +55,7 @@ logger = logging.getLogger("specserve")
 
 Prompt = str | list[int]
 OWN_KV_KINDS = ("model", "feature", "early-exit-head")  # drafter kinds with K/V of their own in the pool
+MAX_CACHED_DRAFTERS = 32  # drafter combinations requests named, kept for reuse
 
 
 @dataclass
@@ -104,7 +108,10 @@ class LLMEngine:
         self.eos_ids = frozenset(eos)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = count()
-        self._drafters: dict[str, Drafter | None] = {self.config.draft: self.drafter}  # per-request specs
+        # Drafters requests named, by normalised spec, least recently used first; bounded, since
+        # every client may name its own combination (the engine's own drafter is never evicted).
+        self._default_spec = normalized_drafter_spec(self.config.draft)
+        self._drafters: OrderedDict[str, Drafter | None] = OrderedDict({self._default_spec: self.drafter})
         self.metrics = EngineMetrics()
         # Called with (request id, drafted tree, accepted path) after every verification: what
         # `specserve ablate` draws its tree shapes from.
@@ -179,14 +186,23 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if unknown/done)."""
+        return self._end(request_id, "abort")
+
+    def _end(self, request_id: str, reason: str, error: Exception | None = None) -> RequestOutput | None:
+        """Finish every sequence of a request now (`reason`: "abort" or "error"), freeing its blocks."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
                 self._finish(seq)
-        return self._output(request, {})
+        out = self._output(request, {})
+        if error is not None:
+            logger.error("request %s failed alone (the engine goes on): %s", request_id, error, exc_info=error)
+            self.metrics.failed_requests += 1
+            out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -203,8 +219,7 @@ class LLMEngine:
             return []
         self.metrics.steps += 1
         for seq in plan.preempted:  # its blocks are gone, and with them any draft K/V
-            if seq.drafter is not None:
-                seq.drafter.release(seq.seq_id)
+            _release(seq)
         drafts = self._propose(plan.scheduled, plan.token_seconds)
         start = time.perf_counter()
         results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled],
@@ -212,40 +227,60 @@ class LLMEngine:
         if drafts:
             self.metrics.target_s += time.perf_counter() - start
 
+        # From here on an error in one sequence's work fails its request alone (see `_containing`).
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        failed: dict[str, RequestOutput] = {}
         plain: list[tuple[ScheduledSequence, torch.Tensor]] = []
-        speculated, speculated_results = [], []
+        speculated: list[tuple[ScheduledSequence, Draft, ForwardResult]] = []
         for s, result in zip(plan.scheduled, results, strict=True):
             draft = drafts.get(s.seq.seq_id)
             if draft is None:
                 if result.hidden and s.seq.drafter is not None:  # every row is committed: a chunk or a decode
-                    s.seq.drafter.observe(s.seq.seq_id, s.context_len, result.hidden)
+                    self._observe(s, result.hidden)
                 s.seq.num_computed += s.num_tokens
                 s.seq.num_forwarded_tokens += s.num_tokens
                 self.block_manager.commit(s.seq.block_table, s.seq.token_ids, s.seq.num_computed)
                 if s.samples:
                     plain.append((s, result.logits[-1]))
             else:
-                speculated.append((s, draft, result.logits))
-                speculated_results.append(result)
-        for (s, draft, logits, verdict), result in zip(self._verify(speculated), speculated_results, strict=True):
-            if result.hidden:  # the root and the accepted nodes are committed (the seq has a drafter)
-                path = torch.tensor(verdict.path, dtype=torch.int64)
-                s.seq.drafter.observe(s.seq.seq_id, s.context_len, {k: h[path] for k, h in result.hidden.items()})
-            delta = deltas.setdefault(s.seq.request_id, {})
-            delta[s.seq.index] = self._commit_speculated(s, draft, logits, verdict)
+                speculated.append((s, draft, result))
+        for s, draft, result, verdict in self._verify(speculated, failed):
+            if s.seq.request_id in failed:
+                continue
+            with self._containing(s.seq, failed):
+                if result.hidden:  # the root and the accepted nodes are committed (the seq has a drafter)
+                    path = torch.tensor(verdict.path, dtype=torch.int64)
+                    self._observe(s, {k: h[path] for k, h in result.hidden.items()})
+                delta = deltas.setdefault(s.seq.request_id, {})
+                delta[s.seq.index] = self._commit_speculated(s, draft, result.logits, verdict)
 
         if plain:
-            logits = torch.stack([row for _, row in plain])
-            tokens = sample(logits, [s.seq.sampling_row() for s, _ in plain])
-            for (s, row), token in zip(plain, tokens, strict=True):
-                deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
+            argmax = torch.stack([row for _, row in plain]).argmax(-1).tolist()  # plain greedy rows, all at once
+            for (s, row), token in zip(plain, argmax, strict=True):
+                if s.seq.request_id in failed:  # another sample of its request failed in this step
+                    continue
+                with self._containing(s.seq, failed):
+                    if not s.seq.params.plain_greedy:
+                        token = sample_row(row, s.seq.sampling_row())
+                    deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
         # Sized as the scheduler sized its budgets: by decoding sequences, then tokens and nodes.
         decoding = [s.context_len + 1 for s in plan.scheduled if s.num_tokens == 1]
         self.policy.observe_step(len(decoding), sum(s.num_tokens for s in plan.scheduled),
                                  sum(d.num_drafted for d in drafts.values()), time.perf_counter() - start,
                                  decode_keys(decoding))
-        return [self._output(self.requests[rid], d) for rid, d in deltas.items()]
+        outputs = [self._output(self.requests[rid], d) for rid, d in deltas.items() if rid not in failed]
+        return outputs + list(failed.values())
+
+    @contextmanager
+    def _containing(self, seq: Sequence, failed: dict[str, RequestOutput]) -> Iterator[None]:
+        """One sequence's share of a step (sampling, verifying, detokenizing): an error there
+        fails its request alone, with the cause, and the step goes on for the others."""
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 -- contained: reported in the request's output
+            out = self._end(seq.request_id, "error", error)
+            if out is not None:
+                failed[seq.request_id] = out
 
     # -- speculation ----------------------------------------------------------------------------
 
@@ -258,15 +293,23 @@ class LLMEngine:
             return self.drafter, self.config.max_tree_tokens
         if not spec.enabled:
             return None, 0
-        drafter = self.drafter
-        if spec.drafter is not None:
-            if spec.drafter not in self._drafters:
-                self._drafters[spec.drafter] = self._build_drafter(spec.drafter, at_start=False)
-            drafter = self._drafters[spec.drafter]
+        drafter = self.drafter if spec.drafter is None else self._requested_drafter(spec.drafter)
         cap = self.config.max_tree_tokens if spec.max_tree_tokens is None else spec.max_tree_tokens
         if drafter is not None:
             self._calibrate()
         return drafter, cap
+
+    def _requested_drafter(self, spec: str) -> Drafter | None:
+        """The drafter a request names (`spec` normalised by SpeculationParams), built on first use."""
+        if spec in self._drafters:
+            self._drafters.move_to_end(spec)
+            return self._drafters[spec]
+        drafter = self._build_drafter(spec, at_start=False)
+        self._drafters[spec] = drafter
+        if len(self._drafters) > MAX_CACHED_DRAFTERS:
+            oldest = next(k for k in self._drafters if k != self._default_spec)
+            del self._drafters[oldest]  # sequences using it keep it; later requests rebuild it from parts
+        return drafter
 
     def _calibrate(self) -> None:
         """The adaptive policy needs the forward cost curve: cached, or measured once now."""
@@ -305,15 +348,35 @@ class LLMEngine:
         drafts: dict[int, Draft] = {}
         for drafter, group in groups.values():
             start = time.perf_counter()
-            proposed = drafter.propose([self._draft_request(s, token_seconds) for s in group])
-            for s, draft in zip(group, proposed, strict=True):
-                if draft.tree.tokens[0] != s.seq.token_ids[-1] or draft.num_drafted > s.tree_budget:
-                    raise RuntimeError(f"drafter {drafter.spec!r} broke its contract: a tree must be rooted at the "
-                                       f"last token and hold at most {s.tree_budget} drafted nodes")
-                if draft.num_drafted:
-                    drafts[s.seq.seq_id] = draft
-            self.metrics.draft_s += time.perf_counter() - start
+            try:
+                proposed = drafter.propose([self._draft_request(s, token_seconds) for s in group])
+                for s, draft in zip(group, proposed, strict=True):
+                    if draft.tree.tokens[0] != s.seq.token_ids[-1] or draft.num_drafted > s.tree_budget:
+                        raise RuntimeError(f"drafter {drafter.spec!r} broke its contract: a tree must be rooted at "
+                                           f"the last token and hold at most {s.tree_budget} drafted nodes")
+            except Exception as error:  # noqa: BLE001 -- a drafter's failure costs its sequences one step's speculation
+                self._drafter_failed(drafter, [s.seq for s in group], error)
+                continue
+            finally:
+                self.metrics.draft_s += time.perf_counter() - start
+            drafts.update((s.seq.seq_id, d) for s, d in zip(group, proposed, strict=True) if d.num_drafted)
         return drafts
+
+    def _observe(self, s: ScheduledSequence, hidden: dict[int, torch.Tensor]) -> None:
+        """The drafter reads the target's hidden states of the committed rows."""
+        try:
+            s.seq.drafter.observe(s.seq.seq_id, s.context_len, hidden)
+        except Exception as error:  # noqa: BLE001 -- see _drafter_failed
+            self._drafter_failed(s.seq.drafter, [s.seq], error)
+
+    def _drafter_failed(self, drafter: Drafter, seqs: list[Sequence], error: Exception) -> None:
+        """A drafter that raises: its sequences go on without speculation this step, and its state
+        for them is dropped (rebuilt from their tokens, as after a preemption)."""
+        logger.warning("drafter %r failed; %d sequence(s) go on without speculation this step: %s",
+                       drafter.spec, len(seqs), error, exc_info=error)
+        self.metrics.drafter_errors += 1
+        for seq in seqs:
+            _release(seq)
 
     @staticmethod
     def _draft_request(s: ScheduledSequence, token_seconds: float | None) -> DraftRequest:
@@ -333,20 +396,23 @@ class LLMEngine:
         return TreeRequest(s.tree(), s.context_len, table, "last" if s.samples else "none")
 
     def _verify(
-        self, speculated: list[tuple[ScheduledSequence, Draft, torch.Tensor]]
-    ) -> list[tuple[ScheduledSequence, Draft, torch.Tensor, Verdict]]:
+        self, speculated: list[tuple[ScheduledSequence, Draft, ForwardResult]], failed: dict[str, RequestOutput]
+    ) -> list[tuple[ScheduledSequence, Draft, ForwardResult, Verdict]]:
         """Verify every tree, then move all accepted K/V into place in one compaction."""
         start = time.perf_counter()
         src: list[int] = []
         dst: list[int] = []
         verified = []
-        for s, draft, logits in speculated:
-            verdict = verify(draft.tree, logits, s.seq.sampling_row(), draft.probs)
-            moves = compaction_slots(s.seq.block_table.block_ids, s.context_len, verdict.path,
-                                     self.block_manager.block_size)
-            src += moves[0]
-            dst += moves[1]
-            verified.append((s, draft, logits, verdict))
+        for s, draft, result in speculated:
+            if s.seq.request_id in failed:
+                continue
+            with self._containing(s.seq, failed):
+                verdict = verify(draft.tree, result.logits, s.seq.sampling_row(), draft.probs)
+                moves = compaction_slots(s.seq.block_table.block_ids, s.context_len, verdict.path,
+                                         self.block_manager.block_size)
+                src += moves[0]
+                dst += moves[1]
+                verified.append((s, draft, result, verdict))
         self.kv_cache.compact(src, dst)
         self.metrics.verify_s += time.perf_counter() - start
         return verified
@@ -388,8 +454,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
-        if seq.drafter is not None:
-            seq.drafter.release(seq.seq_id)
+        _release(seq)
 
     def _output(self, request: _Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
         outputs = [completion_output(seq, *deltas.get(seq.index, ("", []))) for seq in request.seqs]
@@ -414,6 +479,18 @@ class EngineMetrics:
     draft_s: float = 0.0  # drafters proposing trees
     target_s: float = 0.0  # target forwards of steps that verified at least one tree
     verify_s: float = 0.0  # walking the trees and compacting accepted K/V
+    failed_requests: int = 0  # requests failed alone by an error in their own work (sampling, detokenizing)
+    drafter_errors: int = 0  # drafter calls that raised (their sequences went without speculation that step)
+
+
+def _release(seq: Sequence) -> None:
+    """Drop the drafter's state for `seq` (a drafter that fails here is logged, not fatal)."""
+    if seq.drafter is None:
+        return
+    try:
+        seq.drafter.release(seq.seq_id)
+    except Exception:  # noqa: BLE001 -- the sequence is done with it either way
+        logger.warning("drafter %r failed to release sequence %d", seq.drafter.spec, seq.seq_id, exc_info=True)
 
 
 def _hidden_wanted(scheduled: list[ScheduledSequence]) -> tuple[int, ...]:

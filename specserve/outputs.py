@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
     delta_text: str = ""  # what the latest step added (for streaming)
@@ -46,6 +46,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Why the engine failed this request alone (finish_reason "error"), the step going on for the others.
+    error: str | None = None
 
 
 def completion_output(seq: Sequence, delta_text: str = "",

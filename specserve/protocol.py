@@ -11,22 +11,46 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from specserve.outputs import RequestOutput
-from specserve.sampling import SamplingParams
+from specserve.sampling import (
+    MAX_DRAFTER_SPEC_CHARS,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MIN_REPETITION_PENALTY,
+    MIN_SEED,
+    SamplingParams,
+)
 from specserve.sequence import SpecStats, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to what the context leaves
+MAX_PROMPTS = 64  # prompts in one completions request (each is a request in the engine)
+
+
+def valid_unicode(text: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"); no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"contains a lone UTF-16 surrogate {text[error.start]!r} at character {error.start}: "
+                         f"send valid Unicode (surrogates come in pairs)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
 
 
 class SpeculationField(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    drafter: str | None = None
+    drafter: Annotated[str, Field(max_length=MAX_DRAFTER_SPEC_CHARS), AfterValidator(valid_unicode)] | None = None
     max_tree_tokens: int | None = Field(default=None, ge=0)
     tree: Literal["chain", "tree", "dynamic"] | None = None
     top_k: int | None = Field(default=None, ge=1)
@@ -50,9 +74,9 @@ class _Sampling(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -81,7 +105,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | list[int]
+             | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)])
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -100,7 +125,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The content as text: OpenAI's list-of-parts form keeps its text parts."""
@@ -111,7 +136,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text":
                 raise ValueError(f"message content parts of type {part.get('type')!r} are not supported: "
                                  f"send text parts only")
-            parts.append(str(part.get("text", "")))
+            parts.append(valid_unicode(str(part.get("text", ""))))
         return "".join(parts)
 
 

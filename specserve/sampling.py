@@ -11,16 +11,36 @@ must sample from exactly the distribution plain decoding samples from. Order, pe
 
 Seeded requests draw from their own generator, so their output does not depend on what else
 is in the batch.
+
+Every distribution computed here is finite for every parameter value `SamplingParams` admits:
+temperatures below `GREEDY_BELOW_TEMPERATURE` are greedy (as vLLM treats them; dividing by them
+overflows float32), penalties are bounded, and every filter keeps the most likely token. What
+still comes out non-finite (logits that are NaN or infinite) raises `SamplingError`, which
+fails that one request, never the step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
 
 TREE_SHAPES = ("chain", "tree", "dynamic")
+# Below this a temperature means greedy: vLLM's _SAMPLING_EPS. Logits divided by a smaller one
+# overflow float32 (1e-39 is already subnormal), and their softmax is NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# repetition_penalty divides or multiplies logits: within these bounds every result stays finite.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# A torch generator's seed is 64 bits: OpenAI's signed seeds and unsigned ones both fit.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # the engine keeps them per request and scans every token
+MAX_DRAFTER_SPEC_CHARS = 256  # speculation.drafter: a spec, never a document
+
+
+class SamplingError(ValueError):
+    """A request's sampling distribution could not be formed (non-finite logits): that request fails."""
 
 
 @dataclass
@@ -39,6 +59,11 @@ class SpeculationParams:
     max_depth: int | None = None  # drafted tokens on a root-to-leaf path at most; None: the budget
 
     def __post_init__(self) -> None:
+        if self.drafter is not None:
+            if not isinstance(self.drafter, str) or len(self.drafter) > MAX_DRAFTER_SPEC_CHARS:
+                raise ValueError(f"speculation.drafter must be a drafter spec of at most {MAX_DRAFTER_SPEC_CHARS} "
+                                 f"characters, like 'ngram' or 'early-exit:6'")
+            self.drafter = normalized_drafter_spec(self.drafter)
         if self.max_tree_tokens is not None and self.max_tree_tokens < 0:
             raise ValueError(f"speculation.max_tree_tokens must be >= 0, got {self.max_tree_tokens}")
         if self.tree is not None and self.tree not in TREE_SHAPES:
@@ -83,15 +108,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 <= self.temperature < float("inf"), f"temperature must be >= 0 and finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 (all tokens) or positive, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
+             f"(1 means none), got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
+             f"seed must be in [-2**63, 2**64 - 1], got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -100,16 +129,35 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                             f"characters each")
         if self.top_k == -1:
             self.top_k = 0
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits: nothing to compute per row."""
+        return self.greedy and not self.needs_penalties
+
+    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def normalized_drafter_spec(spec: str) -> str:
+    """One spelling per drafter spec ("NGram " and "ngram" are the same drafter, cached once).
+    Raises ValueError, saying what to write, for a spec that does not parse."""
+    from drafters.spec import parse_spec  # drafters import the engine's types; import on use
+
+    parts = parse_spec(spec)
+    return "+".join(str(p) for p in parts) if parts else "none"
 
 
 @dataclass
@@ -148,6 +196,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
         drop = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[0] = False  # the likeliest token always (a top_p that rounds to 0 in float32 kept none)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0:
         probs = logits.softmax(-1)
@@ -158,6 +207,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sampling_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """The probabilities the next token is drawn from (one-hot at the argmax when greedy)."""
     logits = apply_penalties(logits.float(), row) if row.params.needs_penalties else logits.float()
+    if not math.isfinite(float(logits.max())):  # the max is NaN for any NaN, +inf for any +inf, -inf for none left
+        raise SamplingError("the model's logits are not finite (NaN or +inf): no distribution to sample from")
     if row.params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).float()
     return filter_logits(logits, row.params).softmax(-1)
@@ -167,12 +218,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
     """Next token per row of `logits` ([len(rows), vocab])."""
     tokens = logits.argmax(-1).tolist()  # plain greedy rows, all at once
     for i, (row_logits, row) in enumerate(zip(logits, rows, strict=True)):
-        if row.params.greedy and not row.params.needs_penalties:
-            continue
-        probs = sampling_distribution(row_logits, row)
-        drawn = probs.argmax() if row.params.greedy else torch.multinomial(probs, 1, generator=row.generator)
-        tokens[i] = int(drawn)
+        if not row.params.plain_greedy:
+            tokens[i] = sample_row(row_logits, row)
     return tokens
+
+
+def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    """The next token of one row (`logits`: [vocab]). Raises SamplingError for non-finite logits."""
+    probs = sampling_distribution(logits, row)
+    drawn = probs.argmax() if row.params.greedy else torch.multinomial(probs, 1, generator=row.generator)
+    return int(drawn)
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

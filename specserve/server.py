@@ -3,25 +3,35 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming as server-sent
 events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`
 (Prometheus, see `specserve.metrics`). Errors have OpenAI's body
-(`{"error": {"message", "type", "param", "code"}}`) and say what to change. A client that goes
-away, streaming or not, aborts its requests, which frees their KV blocks.
+(`{"error": {"message", "type", "param", "code"}}`) and say what to change: 400 for bad input,
+401, 413, 500 for a request the engine failed alone (the others go on), 503 when the queue is
+full (with Retry-After) or the engine stopped. `/openapi.json` describes exactly that
+(`specserve.openapi`). A client that goes away, streaming or not, aborts its requests, which
+frees their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specserve.async_engine import AsyncEngine, EngineDeadError
+from specserve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from specserve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUED_REQUESTS
 from specserve.metrics import ServerMetrics
+from specserve.openapi import openapi_schema
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -35,6 +45,10 @@ from specserve.protocol import (
 )
 from specserve.sampling import SamplingParams
 
+logger = logging.getLogger("specserve")
+T = TypeVar("T")
+RETRY_AFTER_SECONDS = 1  # what a 503 for a full queue tells clients to wait (OpenAI's SDK honours it)
+
 
 @dataclass
 class ServerSettings:
@@ -46,23 +60,33 @@ class ServerSettings:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.kind, self.param, self.code)
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return JSONResponse(error_body(message, kind, param, code), status)
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> ASGIApp:
     """The app, behind the API-key and body-size guard."""
     app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
     api = _Handlers(engine, settings)
+    app.openapi = lambda: openapi_schema(app, settings.model_name)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -74,13 +98,39 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> ASGIApp:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
-        return error_response(400, f"{where or 'body'}: {first.get('msg')} (got {first.get('input')!r})",
+        return error_response(400, f"{where or 'body'}: {first.get('msg')} (got {_clipped(repr(first.get('input')))})",
                               param=where or None)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """Starlette's own errors (a body that does not parse, no such route) in OpenAI's shape."""
+        cause = error.__cause__
+        if isinstance(cause, UnicodeDecodeError):
+            message = f"the request body is not valid UTF-8 (byte {cause.start}): send JSON encoded as UTF-8"
+        elif isinstance(cause, RecursionError):
+            message = "the request body's JSON is nested too deeply: send the fields as OpenAI's API documents them"
+        elif error.status_code == 404:
+            message = (f"no route {request.url.path}: use POST /v1/completions, POST /v1/chat/completions, "
+                       f"GET /v1/models, GET /health or GET /metrics")
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}: see GET /openapi.json"
+        else:
+            message = str(error.detail)
+        response = error_response(error.status_code, message, code=None)
+        response.headers.update(error.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.error("unexpected error in a request handler", exc_info=error)
+        return error_response(500, f"the server failed this request: {type(error).__name__}: {error}",
+                              "server_error")
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.error is not None:
-            return error_response(503, f"the engine stopped: {engine.error!r}", "server_error")
+            return error_response(503, f"the engine stopped: {engine.error!r}; the server is restarting",
+                                  "server_error", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -104,13 +154,26 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> ASGIApp:
     return _Guard(app, settings)
 
 
+def _clipped(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class _Handlers:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings):
         self.engine = engine
         self.settings = settings
-        self.decode_token: Callable[[int], str] = lambda t: engine.engine.tokenizer.decode([t])
+        tokenizer = engine.engine.tokenizer
+        self.decode_token: Callable[[int], str] = lambda t: tokenizer.decode([t])
         self.metrics = ServerMetrics()
         engine.on_finished = self.metrics.observe
+        # Requests admitted but not yet in the engine (being tokenized): counted with the engine's
+        # own against --max-queued-requests, and taken before any await, so a burst cannot slip by.
+        self.pending = 0
+        # Tokenizing and chat templating take seconds for megabytes of text: never on the event loop.
+        # One thread: encodes queue behind each other instead of crowding the engine's cores.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")
+        # A token spans at most this many characters, so a longer text cannot fit the context.
+        self.max_prompt_chars = engine.engine.max_model_len * max(len(t) for t in tokenizer.get_vocab())
 
     # -- completions ------------------------------------------------------------------------------
 
@@ -118,17 +181,22 @@ class _Handlers:
         self._check_model(body.model)
         try:
             raw = body.prompts()
-            prompts = [self.engine.engine.encode(p) if isinstance(p, str) else list(p) for p in raw]
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from error
         max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
         params = self._params(lambda: body.sampling_params(max_tokens, body.logprobs))
-        for ids in prompts:
-            self._check_request(ids, params)
+        with self._admission(len(raw)) as admission:
+            self._check_chars(sum(len(p) for p in raw if isinstance(p, str)), "prompt")
+            encode = self.engine.engine.encode
+            prompts = await self._off_loop(lambda: [encode(p) if isinstance(p, str) else list(p) for p in raw],
+                                           "prompt")
+            for ids in prompts:
+                self._check_request(ids, params)
+            streams = admission.submit(prompts, params)
         echoed = [(p if isinstance(p, str) else self.engine.engine.tokenizer.decode(ids)) if body.echo else ""
                   for p, ids in zip(raw, prompts, strict=True)]
         rid, created, model = new_id("cmpl"), now(), body.model
-        outputs = await self._started(request, prompts, params)
+        outputs = await self._started(request, streams)
         prompt_tokens = sum(len(ids) for ids in prompts)
 
         def choice(i: int, out: RequestOutput, sample: int, text: str, start: int, offset: int,
@@ -158,17 +226,21 @@ class _Handlers:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         try:
-            ids = self.engine.engine.encode_chat(body.conversation())
+            conversation = body.conversation()
             logprobs = body.wanted_logprobs()
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from error
-        asked = body.max_completion_tokens or body.max_tokens
-        # Without a limit, a reply may take whatever the context leaves (as OpenAI's does).
-        max_tokens = asked or max(1, self.engine.engine.max_model_len - len(ids))
-        params = self._params(lambda: body.sampling_params(max_tokens, logprobs))
-        self._check_request(ids, params)
+        with self._admission(1) as admission:
+            self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
+            ids = await self._off_loop(lambda: self.engine.engine.encode_chat(conversation), "messages")
+            asked = body.max_completion_tokens or body.max_tokens
+            # Without a limit, a reply may take whatever the context leaves (as OpenAI's does).
+            max_tokens = asked or max(1, self.engine.engine.max_model_len - len(ids))
+            params = self._params(lambda: body.sampling_params(max_tokens, logprobs))
+            self._check_request(ids, params)
+            streams = admission.submit([ids], params)
         rid, created, model = new_id("chatcmpl"), now(), body.model
-        outputs = await self._started(request, [ids], params)
+        outputs = await self._started(request, streams)
         top = body.top_logprobs or 0
 
         def logprobs_of(out: RequestOutput, sample: int, start: int) -> dict | None:
@@ -200,6 +272,20 @@ class _Handlers:
             raise APIError(400, f"the model {model!r} is not served here: use {self.settings.model_name!r} "
                                 f"(GET /v1/models lists it)", param="model", code="model_not_found")
 
+    def _check_chars(self, chars: int, param: str) -> None:
+        """A text too long for the context whatever its tokens, refused before tokenizing it."""
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.engine.engine.max_model_len} tokens, "
+                                f"at most {self.max_prompt_chars} characters of text; your {param} has {chars} "
+                                f"characters: shorten it", param=param, code="context_length_exceeded")
+
+    async def _off_loop(self, work: Callable[[], T], param: str) -> T:
+        """Tokenizing in the tokenizer thread: the event loop serves /health and streams meanwhile."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
+        except ValueError as error:
+            raise APIError(400, str(error), param=param) from error
+
     def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """What the engine would refuse, refused here with a 400 before any stream starts."""
         limit = self.engine.engine.max_model_len
@@ -224,52 +310,86 @@ class _Handlers:
         except ValueError as error:
             raise APIError(400, str(error)) from error
 
-    async def _started(self, request: Request, prompts: list[list[int]],
-                       params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    @contextmanager
+    def _admission(self, count: int) -> Iterator[_Admission]:
+        """Admit `count` requests or refuse with a 503 now, before the handler's first await."""
+        if self.engine.error is not None:
+            raise APIError(503, f"the engine stopped: {self.engine.error!r}; the server is restarting",
+                           "server_error", code="engine_dead")
+        limit = self.settings.max_queued_requests
+        queued = self.engine.num_unfinished + self.pending
+        if queued + count > limit:
+            self.metrics.rejected["server_overloaded"] += 1
+            raise APIError(503, f"the server is full: {queued} requests are queued or running (at most {limit}); "
+                                f"retry later", "server_error", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        admission = _Admission(self, count)
+        self.pending += count
+        try:
+            yield admission
+        finally:
+            admission.release()
+
+    async def _started(self, request: Request, streams: list[RequestStream]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The requests' outputs, merged, once the first has arrived: whatever the engine refuses
         when it takes a request (a drafter it cannot build) is then still a 4xx, not a broken stream."""
-        if self.engine.error is not None:
-            raise APIError(503, f"the engine stopped: {self.engine.error!r}", "server_error")
-        if self.engine.num_unfinished + len(prompts) > self.settings.max_queued_requests:
-            raise APIError(503, f"the server is full: {self.engine.num_unfinished} requests are queued or running "
-                                f"(at most {self.settings.max_queued_requests}); retry later", "server_error",
-                           code="queue_full")
-        merged = _merged([_checked(self.engine.generate(ids, params)) for ids in prompts])
+        merged = _merged(streams)
         try:
             first = await _until_disconnected(request, anext(merged))
         except BaseException:
             await merged.aclose()
+            for stream in streams:  # `merged` may not have started: close them all the same
+                await stream.aclose()
             raise
         return _prepend(first, merged)
 
 
-async def _checked(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    """Engine errors as API errors: bad input 400, a dead engine 503."""
+class _Admission:
+    """Requests admitted by `_Handlers._admission`: pending until submitted to the engine, which
+    then counts them (no await in between, so there is no moment where they count nowhere)."""
+
+    def __init__(self, handlers: _Handlers, count: int):
+        self.handlers, self.count = handlers, count
+
+    def release(self) -> None:
+        self.handlers.pending -= self.count
+        self.count = 0
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        self.release()
+        streams: list[RequestStream] = []
+        try:
+            for ids in prompts:
+                streams.append(self.handlers.engine.submit(ids, params))
+        except (EngineDeadError, ValueError):
+            for stream in streams:  # all or none
+                self.handlers.engine.abort(stream.request_id)
+            with _api_errors():
+                raise
+        return streams
+
+
+@contextmanager
+def _api_errors() -> Iterator[None]:
+    """Engine errors as API errors: bad input 400, a request the engine failed 500, a dead engine 503."""
     try:
-        async for out in stream:
-            yield out
+        yield
     except EngineDeadError as error:
-        raise APIError(503, str(error), "server_error") from error
+        raise APIError(503, f"{error}; the server is restarting", "server_error", code="engine_dead") from error
+    except RequestFailedError as error:
+        raise APIError(500, str(error), "server_error", code="request_failed") from error
     except ValueError as error:
         raise APIError(400, str(error)) from error
-    finally:
-        await stream.aclose()
 
 
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several requests as they come: (which request, output). Leaving early
     (a client gone) closes every stream, which aborts its request."""
-    if len(streams) == 1:
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await streams[0].aclose()
-        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
                 await queue.put((i, out))
@@ -278,15 +398,22 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[
         finally:
             await queue.put((i, done))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = []
     try:
+        if len(streams) == 1:  # the common case, without a task in between
+            with _api_errors():
+                async for out in streams[0]:
+                    yield 0, out
+            return
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         remaining = len(tasks)
         while remaining:
             i, item = await queue.get()
             if item is done:
                 remaining -= 1
             elif isinstance(item, Exception):
-                raise item
+                with _api_errors():
+                    raise item
             else:
                 yield i, item
     finally:
@@ -364,12 +491,17 @@ async def _events(outputs: AsyncIterator[tuple[int, RequestOutput]], chunk: Call
     for choices in first:
         yield _sse(chunk(choices))
     sent, finals = _Sent(), {}
-    async for i, out in outputs:
-        choices = [choice(i, out, c, start) for c, start in sent.news(i, out)]
-        if out.finished:
-            finals[i] = out
-        if choices:
-            yield _sse(chunk(choices))
+    try:
+        async for i, out in outputs:
+            choices = [choice(i, out, c, start) for c, start in sent.news(i, out)]
+            if out.finished:
+                finals[i] = out
+            if choices:
+                yield _sse(chunk(choices))
+    except APIError as error:  # the stream has begun: the error is its last event, as vLLM sends it
+        yield _sse(error.body())
+        yield "data: [DONE]\n\n"
+        return
     if usage_prompt_tokens is not None:
         yield _sse({**chunk([]), "usage": usage(usage_prompt_tokens, list(finals.values()))})
     yield "data: [DONE]\n\n"
@@ -401,7 +533,8 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         key = self.settings.api_key
-        if key is not None and scope["path"].startswith("/v1/") and headers.get("authorization") != f"Bearer {key}":
+        if key is not None and scope["path"].startswith("/v1/") and not _same(headers.get("authorization"),
+                                                                               f"Bearer {key}"):
             response = error_response(401, "missing or wrong API key: send the header "
                                            "'Authorization: Bearer <key>' with the server's --api-key",
                                       "authentication_error", code="invalid_api_key")
@@ -425,6 +558,11 @@ class _Guard:
             await self.app(scope, counted, send)
         except _BodyTooLarge:
             await _too_large(limit)(scope, receive, send)
+
+
+def _same(given: str | None, expected: str) -> bool:
+    """Constant time: how long a wrong key took to refuse says nothing about the right one."""
+    return given is not None and hmac.compare_digest(given.encode("latin-1"), expected.encode())  # header bytes as sent
 
 
 class _BodyTooLarge(Exception):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -80,7 +81,8 @@ class SpeculationPolicy:
         self.forward_cost = forward_cost
         self.deciding_share = deciding_share
         self._clock = clock
-        self._drafters: dict[int, _DrafterRecord] = {}
+        # Per drafter object, dying with it: request-named drafters come and go (the engine's cache is bounded).
+        self._drafters: weakref.WeakKeyDictionary[Drafter, _DrafterRecord] = weakref.WeakKeyDictionary()
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
         self._skips: dict[int, int] = {}  # by batch bucket: steps left that decide nothing (see DECIDING_SHARE)
         self._look_seconds: dict[int, float] = {}  # by batch bucket: what the last look took
@@ -231,7 +233,7 @@ class SpeculationPolicy:
         return seconds
 
     def _record(self, drafter: Drafter | None) -> _DrafterRecord:
-        return self._drafters.setdefault(id(drafter), _DrafterRecord())
+        return _DrafterRecord() if drafter is None else self._drafters.setdefault(drafter, _DrafterRecord())
 
 
 def _bucket(num_seqs: int) -> int:

@@ -56,7 +56,7 @@ def verify(
     """
     if logits.shape[0] != len(tree):
         raise ValueError(f"need one row of logits per tree node: {logits.shape[0]} rows for {len(tree)} nodes")
-    if row.params.greedy and not row.params.needs_penalties:
+    if row.params.plain_greedy:
         return _verify_argmax(tree, logits.argmax(-1).tolist())
     draft_probs = draft_probs or {}
     path, tokens = [0], []
