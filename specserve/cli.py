@@ -86,7 +86,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from specserve.async_engine import AsyncEngine
     from specserve.llm import LLM
-    from specserve.server import ServerSettings, create_app
+    from specserve.server import DrainingServer, ServerSettings, create_app, run_server
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
@@ -100,31 +100,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                             max_queued_requests=args.max_queued_requests))
     print(f"[serving {name} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if args.api_key else ''}]", file=sys.stderr)
-    class DrainingServer(uvicorn.Server):
-        """Ctrl-C / SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
-        --drain-seconds, then cancels the rest (which aborts them in the engine). Drained, the
-        process exits 0 instead of uvicorn re-raising the signal (which would skip the engine's
-        shutdown)."""
-
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()
-
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.drain_seconds))
-
-    def engine_died(_: BaseException) -> None:  # logged by the engine; exit non-zero so a supervisor restarts us
-        server.should_exit = True
-
-    engine.on_dead = engine_died
-    try:
-        server.run()
-    finally:
-        engine.shutdown()
-    if engine.error is not None:
-        print(f"specserve: the engine stopped: {engine.error!r}; exiting for a restart", file=sys.stderr)
-        return 1
-    return 0
+    return run_server(server, engine)
 
 
 def build_parser() -> argparse.ArgumentParser:

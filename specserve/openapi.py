@@ -59,9 +59,11 @@ MODELS = {"type": "object", "required": ["object", "data"], "properties": {
     "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "owned_by"],
                                         "properties": {"id": {"type": "string"}}}}}}
 HEALTH = {"type": "object", "required": ["status"], "properties": {"status": {"const": "ok"}}}
+# One server-sent event: `data: <chunk JSON>` per chunk, an error event if the engine fails the
+# request mid-stream, then `data: [DONE]`.
 SSE = {"text/event-stream": {"schema": {
-    "type": "string", "description": "server-sent events: `data: <chunk JSON>` per chunk, an error event "
-                                     "if the engine fails the request mid-stream, then `data: [DONE]`"}}}
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a chunk's JSON, an error's JSON, or [DONE]"}}}}}
 
 
 def _json(schema: dict, description: str) -> dict:

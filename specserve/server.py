@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -152,6 +153,35 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> ASGIApp:
         return await api.chat(body, request)
 
     return _Guard(app, settings)
+
+
+class DrainingServer(uvicorn.Server):
+    """Ctrl-C / SIGTERM: uvicorn stops accepting, lets in-flight requests finish for up to
+    --drain-seconds, then cancels the rest (which aborts them in the engine). Drained, the
+    process exits 0 instead of uvicorn re-raising the signal (which would skip the engine's
+    shutdown)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def run_server(server: uvicorn.Server, engine: AsyncEngine) -> int:
+    """Serve until a signal (exit 0 once drained) or until the engine loop dies (exit 1 at once,
+    so that a supervisor restarts the process instead of it answering 503 for ever)."""
+
+    def engine_died(_: BaseException) -> None:  # the engine logged it with its traceback
+        server.should_exit = True
+
+    engine.on_dead = engine_died
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if engine.error is not None:
+        logger.critical("the engine stopped: %r; exiting with status 1 for a restart", engine.error)
+        return 1
+    return 0
 
 
 def _clipped(text: str, limit: int = 120) -> str:
@@ -558,6 +588,10 @@ class _Guard:
             await self.app(scope, counted, send)
         except _BodyTooLarge:
             await _too_large(limit)(scope, receive, send)
+        except asyncio.CancelledError:
+            # Only uvicorn cancels a request's task: when --drain-seconds run out at shutdown. Its
+            # engine requests were aborted on the way out; ending quietly spares the log a traceback.
+            logger.warning("%s %s cut short: the shutdown's drain time ran out", scope.get("method"), scope["path"])
 
 
 def _same(given: str | None, expected: str) -> bool:

@@ -151,3 +151,83 @@ def test_what_the_engine_loaded_is_kept_out_of_the_garbage_collectors_walks(tiny
     gc.unfreeze()
     engine = make_engine(tiny_chat_model)
     assert not any(o is engine.model for o in gc.get_objects())  # frozen: no generation holds it
+
+
+# -- one request's failure is its own ----------------------------------------------------------------
+
+
+def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Every request to its end: request id -> its final output."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_a_drafter_that_raises_costs_its_sequences_that_step_only(tiny_chat_model, monkeypatch):
+    prompts = {f"r{i}": ([5, 6, 7, 5, 6, 7, 5, 6] * (i + 1), SamplingParams(temperature=0, max_tokens=24,
+                                                                            ignore_eos=True)) for i in range(4)}
+    expected = run_all(make_engine(tiny_chat_model, draft="none"), prompts)
+    engine = make_engine(tiny_chat_model, draft="ngram", speculation="fixed")
+    real, calls = engine.drafter.propose, []
+
+    def flaky(requests):
+        calls.append(len(requests))
+        if len(calls) % 2:
+            raise RuntimeError("the drafter tripped")
+        return real(requests)
+
+    monkeypatch.setattr(engine.drafter, "propose", flaky)
+    finals = run_all(engine, prompts)
+    assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == \
+           {rid: out.outputs[0].token_ids for rid, out in expected.items()}
+    assert engine.metrics.drafter_errors == (len(calls) + 1) // 2 > 0
+    assert engine.metrics.spec.accepted_tokens > 0  # the steps between still speculated
+    engine.check_invariants()
+
+
+def test_a_request_whose_sampling_raises_fails_alone(tiny_chat_model, monkeypatch):
+    import specserve.engine as engine_module
+
+    def sample_row(logits, row):
+        if row.params.seed == 13:
+            raise RuntimeError("sampling broke")
+        return real(logits, row)
+
+    real = engine_module.sample_row
+    sampled = SamplingParams(temperature=0.9, max_tokens=12, seed=1, n=2, ignore_eos=True)
+    requests = {"greedy": ([3, 4, 5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+                "seeded": ([8, 9], sampled)}
+    expected = run_all(make_engine(tiny_chat_model), requests)
+    monkeypatch.setattr(engine_module, "sample_row", sample_row)
+    engine = make_engine(tiny_chat_model)
+    doomed = SamplingParams(temperature=0.9, max_tokens=12, seed=13, n=2, ignore_eos=True)
+    finals = run_all(engine, {**requests, "doomed": ([6, 7], doomed)})
+    assert "sampling broke" in finals["doomed"].error
+    assert [c.finish_reason for c in finals["doomed"].outputs] == ["error", "error"]
+    for rid in requests:
+        assert finals[rid].error is None
+        assert [c.token_ids for c in finals[rid].outputs] == [c.token_ids for c in expected[rid].outputs]
+    assert engine.metrics.failed_requests == 1
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_request_named_drafters_are_cached_by_normalised_spec_and_bounded(tiny_chat_model):
+    from specserve.engine import MAX_CACHED_DRAFTERS
+
+    engine = make_engine(tiny_chat_model, draft="ngram")
+    for spelling in ("ngram", " NGram ", "ngram  "):
+        engine.add_request(spelling, [3, 4], SamplingParams(max_tokens=1, speculation={"drafter": spelling}))
+    assert list(engine._drafters) == ["ngram"]
+    for parts in range(1, MAX_CACHED_DRAFTERS + 10):  # distinct combinations, as a client could send
+        spec = "+".join(["ngram"] * parts)
+        engine.add_request(f"combo{parts}", [3, 4], SamplingParams(max_tokens=1, speculation={"drafter": spec}))
+    assert len(engine._drafters) == MAX_CACHED_DRAFTERS and "ngram" in engine._drafters
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_invariants()

@@ -6,8 +6,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve.sampling import (
+    GREEDY_BELOW_TEMPERATURE,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingError,
     SamplingParams,
     SamplingRow,
     apply_penalties,
@@ -135,3 +141,55 @@ def test_stop_strings_are_normalised():
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=["a", ""]).stop == ["a"]
     assert SamplingParams(top_k=-1).top_k == 0
+
+
+# -- every value the API admits gives a finite distribution ------------------------------------------
+
+# Floats as JSON may carry them: subnormals and values that round to 0 in float32 included.
+tiny = st.sampled_from([5e-324, 1e-320, 1e-46, 1e-39, 1e-30, 1e-8, 1e-6])
+admitted = st.fixed_dictionaries({
+    "temperature": st.one_of(st.floats(0, 2), tiny),
+    "top_p": st.one_of(st.floats(0, 1, exclude_min=True), tiny),
+    "top_k": st.integers(-1, 60),
+    "min_p": st.one_of(st.floats(0, 1), tiny),
+    "repetition_penalty": st.one_of(st.floats(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+                                    st.sampled_from([MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY])),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+})
+logit_values = st.one_of(st.floats(-1e4, 1e4), st.just(float("-inf")))
+
+
+@settings(max_examples=400, deadline=None)
+@given(params=admitted, values=st.lists(logit_values, min_size=2, max_size=60), history=st.lists(st.integers(0, 59)))
+def test_every_admitted_parameter_gives_a_finite_distribution(params, values, history):
+    logits = torch.tensor(values)
+    if not torch.isfinite(logits).any():
+        logits[0] = 0.0  # a model's logits have a finite entry
+    history = [t % logits.numel() for t in history]
+    row = SamplingRow(SamplingParams(**params), history[:3], history[3:])
+    probs = sampling_distribution(logits, row)
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert abs(float(probs.sum()) - 1) < 1e-4
+    assert int(torch.multinomial(probs, 1)) < logits.numel()
+
+
+def test_temperatures_below_the_greedy_bound_are_greedy():
+    assert SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_parameters_are_refused(bad):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: bad})
+
+
+def test_logits_that_are_not_finite_raise_a_sampling_error_not_nan():
+    row = SamplingRow(SamplingParams(temperature=0.8), [], [])
+    for poisoned in (float("nan"), float("inf")):
+        logits = torch.zeros(8)
+        logits[3] = poisoned
+        with pytest.raises(SamplingError, match="not finite"):
+            sampling_distribution(logits, row)

@@ -7,6 +7,7 @@ but greedy noise is deterministic, which is all these tests compare."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -18,7 +19,7 @@ import pytest
 import uvicorn
 
 from specserve.async_engine import AsyncEngine
-from specserve.config import EngineConfig
+from specserve.config import DEFAULT_MAX_BODY_BYTES, EngineConfig
 from specserve.engine import LLMEngine
 from specserve.server import ServerSettings, create_app
 
@@ -381,6 +382,45 @@ def test_specserve_serve_answers_then_exits_cleanly_on_sigterm(tiny_chat_model):
             process.kill()
 
 
+def test_a_drain_that_runs_out_cuts_the_streams_and_exits_0_without_a_traceback(tiny_chat_model):
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "serve", "--target", str(tiny_chat_model), "--dtype", "float32",
+         "--kv-cache-memory", "32MiB", "--port", str(port), "--served-model-name", MODEL, "--drain-seconds", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(up, timeout=120), process.stdout.read() if process.poll() is not None else "not up"
+        body = {"model": MODEL, "prompt": "Endless", "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        lines = []
+        # The server cuts this stream when the drain runs out, mid-chunk or between chunks.
+        with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", f"{url}/v1/completions", json=body,
+                                                                timeout=60) as response:
+            for line in response.iter_lines():
+                if not lines:
+                    process.send_signal(signal.SIGTERM)
+                lines.append(line)
+        assert "data: [DONE]" not in lines  # cut short by the drain's end, not finished
+        assert process.wait(timeout=60) == 0
+        log = process.stdout.read()
+        assert "Traceback" not in log and "Event loop is closed" not in log, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_the_embedded_default_serves_with_its_own_drafter_unless_told_otherwise():
     from specserve.cli import build_parser, serve_settings
 
@@ -402,3 +442,197 @@ def test_every_engine_setting_is_a_flag_checked_before_anything_loads(capsys):
         "enable_prefix_caching": False, "max_tree_tokens": 4}
     assert main(["serve", "--max-num-seqs", "0"]) == 2
     assert "max_num_seqs must be at least 1" in capsys.readouterr().err
+
+
+# -- one request never stops the engine ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [("top_p", 5e-324), ("top_p", 1e-46), ("top_p", 1e-50),
+                                          ("temperature", 1e-320), ("temperature", 1e-39)])
+def test_sampling_values_that_underflow_float32_are_served_and_the_engine_stays_up(server, field, value):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True, field: value}
+    out = post(server, "/v1/completions", body)
+    assert out.status_code == 200, out.text
+    # A temperature below 1e-5 is greedy (as vLLM has it); a top_p that rounds to zero keeps the likeliest token.
+    greedy = post(server, "/v1/completions", {**body, field: 1.0, "temperature": 0}).json()
+    assert out.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_a_repetition_penalty_that_would_overflow_is_refused_naming_its_bounds(server):
+    message = error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "repetition_penalty": 1e-320}),
+                       400)
+    assert "repetition_penalty" in message and "0.01" in message
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_a_request_the_engine_fails_gets_a_500_naming_the_cause_and_the_others_go_on(server, monkeypatch):
+    import specserve.engine as engine_module
+
+    def sample_row(logits, row):
+        if row.params.seed == 666:
+            raise RuntimeError("this row is cursed")
+        return real(logits, row)
+
+    real = engine_module.sample_row
+    monkeypatch.setattr(engine_module, "sample_row", sample_row)
+    expected = server.client().completions.create(model=MODEL, prompt="Fine", **GREEDY).choices[0].text
+
+    async def run() -> tuple[list[httpx.Response], list[str]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            doomed = [client.post("/v1/completions", json={"model": MODEL, "prompt": "Doomed", "max_tokens": 8,
+                                                           "temperature": 0.7, "seed": 666, "stream": stream})
+                      for stream in (False, True)]
+            fine = [client.post("/v1/completions", json={"model": MODEL, "prompt": "Fine", **GREEDY})
+                    for _ in range(4)]
+            *failed, = await asyncio.gather(*doomed)
+            served = await asyncio.gather(*fine)
+            return failed, [r.json()["choices"][0]["text"] for r in served]
+
+    (plain, stream), texts = asyncio.run(run())
+    assert "cursed" in error_of(plain, 500)
+    assert stream.status_code in (200, 500)  # the error may come before the stream starts or as its last event
+    if stream.status_code == 200:
+        events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+        assert "cursed" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+    else:
+        assert "cursed" in error_of(stream, 500)
+    assert texts == [expected] * 4
+    assert metric(server, "request_failure_total") >= 2
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert wait_until(server.blocks_all_free)
+
+
+# -- bounded state, admission, the event loop -----------------------------------------------------------
+
+
+def test_drafter_specs_are_normalised_and_bounded(server):
+    engine = server.engine.engine
+    for spaces in range(40):
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "speculation": {"drafter": " NGram" + " " * spaces}}
+        assert post(server, "/v1/completions", body).status_code == 200
+    assert set(engine._drafters) <= {"ngram", "none"}
+    message = error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi",
+                                                        "speculation": {"drafter": "ngram" + " " * 300}}), 400)
+    assert "speculation.drafter" in message and "256" in message
+
+
+def test_the_queue_limit_holds_exactly_under_a_simultaneous_burst(server):
+    assert wait_until(server.blocks_all_free)
+    server.settings.max_queued_requests = 8
+    body = {"model": MODEL, "prompt": "Burst", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    try:
+        for stream in (False, True):
+            async def burst(stream=stream) -> list[httpx.Response]:
+                async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                    return await asyncio.gather(*(client.post("/v1/completions", json={**body, "stream": stream})
+                                                  for _ in range(40)))
+
+            responses = asyncio.run(burst())
+            statuses = sorted(r.status_code for r in responses)
+            assert statuses == [200] * 8 + [503] * 32, statuses
+            refused = next(r for r in responses if r.status_code == 503)
+            assert refused.headers["retry-after"] == "1" and "retry later" in error_of(refused, 503)
+            assert all(r.text.rstrip().endswith("data: [DONE]") for r in responses if r.status_code == 200 and stream)
+            assert wait_until(server.blocks_all_free)
+    finally:
+        server.settings.max_queued_requests = 256
+
+
+def test_tokenizing_does_not_hold_up_the_event_loop(server, monkeypatch):
+    engine = server.engine.engine
+    real = engine.encode
+
+    def slow_encode(prompt: str, chat: bool = False) -> list[int]:
+        time.sleep(1.5)  # a tokenizer busy with megabytes of text
+        return real(prompt, chat)
+
+    monkeypatch.setattr(engine, "encode", slow_encode)
+    slow = threading.Thread(target=post, args=(server, "/v1/completions", {"model": MODEL, "prompt": "Hi"}))
+    slow.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert time.monotonic() - start < 0.5
+    slow.join()
+
+
+def test_a_prompt_of_megabytes_is_refused_before_it_is_tokenized(server):
+    server.settings.max_body_bytes = 8 * 2**20
+    try:
+        start = time.monotonic()
+        message = error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": "word " * 800_000}), 400)
+        assert time.monotonic() - start < 2.0
+        assert "maximum context length" in message and "characters" in message
+    finally:
+        server.settings.max_body_bytes = DEFAULT_MAX_BODY_BYTES
+
+
+# -- errors in OpenAI's shape, everywhere --------------------------------------------------------------
+
+
+def test_malformed_bodies_and_values_get_400_in_openai_shape_saying_what_to_change(server):
+    surrogate = '{"model": "' + MODEL + '", "prompt": "\\ud800abc"}'
+    assert "surrogate" in error_of(post(server, "/v1/completions", surrogate), 400)
+    chat = '{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "\\ud800abc"}]}'
+    assert "surrogate" in error_of(post(server, "/v1/chat/completions", chat), 400)
+    assert "UTF-8" in error_of(post(server, "/v1/completions", b'{"model": "x", "prompt": "\xff\xfe"}'), 400)
+    nested = '{"model": "' + MODEL + '", "prompt": "x", "user": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert "nested too deeply" in error_of(post(server, "/v1/completions", nested), 400)
+    message = error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}), 400)
+    assert message.startswith("seed:")
+    assert "no route" in error_of(httpx.get(f"{server.url}/v2/nothing"), 404)
+
+
+def test_the_openapi_document_says_what_the_server_does(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"200", "400", "401", "413", "500", "503"} <= set(responses)
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    request = spec["components"]["schemas"]["CompletionRequest"]
+    assert request["properties"]["model"]["enum"] == [MODEL]
+
+
+# -- an engine that cannot go on ------------------------------------------------------------------------
+
+
+def test_a_dead_engine_is_logged_and_ends_the_server_with_status_1(tiny_chat_model, caplog):
+    from specserve.server import DrainingServer, run_server
+
+    def broken_step():
+        raise RuntimeError("the KV pool is corrupt")
+
+    engine = AsyncEngine(LLMEngine(tiny_chat_model, dtype="float32", config=EngineConfig(kv_cache_memory="16MiB")))
+    port = free_port()
+    server = DrainingServer(uvicorn.Config(create_app(engine, ServerSettings(model_name=MODEL)), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    exit_code = []
+    thread = threading.Thread(target=lambda: exit_code.append(run_server(server, engine)))
+    thread.start()
+    assert wait_until(lambda: server.started)
+    engine.engine.step = broken_step
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert "the KV pool is corrupt" in error_of(response, 503)
+    thread.join(timeout=30)
+    assert exit_code == [1]
+    assert any(r.levelname == "CRITICAL" and r.exc_info for r in caplog.records)
+
+
+def test_health_says_why_the_engine_stopped(tiny_chat_model):
+    def broken_step():
+        raise RuntimeError("the KV pool is corrupt")
+
+    engine = AsyncEngine(LLMEngine(tiny_chat_model, dtype="float32", config=EngineConfig(kv_cache_memory="16MiB")))
+    engine.engine.step = broken_step
+    app = create_app(engine, ServerSettings(model_name=MODEL))
+
+    async def ask() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            request = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+            return request, await client.get("/health")
+
+    request, health = asyncio.run(ask())
+    assert "the KV pool is corrupt" in error_of(request, 503)
+    assert "the KV pool is corrupt" in error_of(health, 503)
+    engine.shutdown()
