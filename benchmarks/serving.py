@@ -49,15 +49,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def add_server_arguments(parser: argparse.ArgumentParser, dtype: str, kv_cache_memory: str) -> None:
+    """What `start_server` starts: the model, its drafter, dtype and KV pool."""
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default="ngram")
+    parser.add_argument("--dtype", default=dtype, choices=["bfloat16", "float32"])
+    parser.add_argument("--kv-cache-memory", default=kv_cache_memory)
+
+
+def start_server(args: argparse.Namespace, port: int, extra: list[str] = (), log=subprocess.PIPE) -> subprocess.Popen:
+    """`specserve serve` with the model, dtype, drafter and KV pool of `args` (plus `extra` flags),
+    once /health answers; its log to `log` (a file, or a pipe read if it fails to start)."""
     command = [sys.executable, "-m", "specserve.cli", "serve", "--target", args.model, "--dtype", args.dtype,
                "--draft", args.draft, "--port", str(port), "--served-model-name", "bench", "--log-level", "warning",
-               "--kv-cache-memory", args.kv_cache_memory]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               "--kv-cache-memory", args.kv_cache_memory, *extra]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {process.stderr.read()}")
+            raise RuntimeError(f"the server exited: {process.stderr.read() if process.stderr else 'see its log'}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return process
@@ -159,10 +169,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--draft", default="ngram")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--kv-cache-memory", default="1GiB")
+    add_server_arguments(parser, dtype="bfloat16", kv_cache_memory="1GiB")
     parser.add_argument("--rates", default="0.5,1,2,4", help="requests per second, comma-separated")
     parser.add_argument("--requests", type=int, default=32, help="requests per rate and setting")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_to_stderr(level: str) -> None:
+    """specserve's own log (start-up, requests failed alone, a dead engine) beside uvicorn's."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
+    logger = logging.getLogger("specserve")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -88,6 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
     from specserve.server import DrainingServer, ServerSettings, create_app, run_server
 
+    _log_to_stderr(args.log_level)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
     if args.max_body_bytes < 1 or args.max_queued_requests < 1:
@@ -117,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
     p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS,
-                   help="requests running or waiting at most; beyond it the server answers 503")
+                   help="requests running, waiting or being tokenized at most; beyond it the server answers 429 "
+                        "with Retry-After")
     p.add_argument("--drain-seconds", type=int, default=30,
                    help="on Ctrl-C / SIGTERM, how long in-flight requests may finish")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

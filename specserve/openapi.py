@@ -2,7 +2,7 @@
 
 FastAPI documents 422 for invalid bodies (the server sends 400 in OpenAI's error shape),
 leaves `model` a free string (only the served name is accepted), knows nothing of streaming
-responses, and omits the statuses the guard and the handlers send (401, 413, 500, 503). A
+responses, and omits the statuses the guard and the handlers send (401, 413, 429, 500, 503). A
 fuzzer (schemathesis, `tests/specserve/test_server_fuzz.py`) holds the server to this.
 """
 
@@ -30,30 +30,28 @@ USAGE = {
                        "accepted_tokens": {"type": "integer"}}}},
 }
 FINISH_REASON = {"enum": ["stop", "length", "abort", None]}
-COMPLETION = {
-    "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": USAGE,
-        "choices": {"type": "array", "items": {
-            "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
-            "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                           "logprobs": {"type": ["object", "null"]}, "finish_reason": FINISH_REASON}}},
-    },
-}
-CHAT_COMPLETION = {
-    "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": USAGE,
-        "choices": {"type": "array", "items": {
-            "type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
-            "properties": {"index": {"type": "integer"},
-                           "message": {"type": "object", "required": ["role", "content"],
-                                       "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
-                           "logprobs": {"type": ["object", "null"]}, "finish_reason": FINISH_REASON}}},
-    },
-}
+
+
+def _completion(kind: str, choice: dict) -> dict:
+    """A (chat) completion object: `choice` the properties of a choice besides index, logprobs
+    and finish_reason."""
+    return {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": USAGE,
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", *choice, "logprobs", "finish_reason"],
+                "properties": {"index": {"type": "integer"}, **choice, "logprobs": {"type": ["object", "null"]},
+                               "finish_reason": FINISH_REASON}}},
+        },
+    }
+
+
+COMPLETION = _completion("text_completion", {"text": {"type": "string"}})
+CHAT_COMPLETION = _completion("chat.completion", {"message": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}})
 MODELS = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"},
     "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "owned_by"],
@@ -82,9 +80,9 @@ GENERATION_ERRORS = {
     "401": _error("Missing or wrong API key (when the server has --api-key)"),
     "413": _error("The body exceeds --max-body-bytes"),
     "500": _error("The engine failed this request alone (the others go on); the message names the cause"),
-    "503": _error("The queue is full (--max-queued-requests; retry after Retry-After seconds) or the engine stopped",
-                  {"Retry-After": {"description": "seconds to wait before retrying (when the queue is full)",
-                                   "schema": {"type": "string"}}}),
+    "429": _error("--max-queued-requests are already queued or running: retry after Retry-After seconds",
+                  {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}),
+    "503": _error("The engine stopped; the process exits for a supervisor to restart it"),
 }
 
 

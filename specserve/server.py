@@ -4,10 +4,11 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming as s
 events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`
 (Prometheus, see `specserve.metrics`). Errors have OpenAI's body
 (`{"error": {"message", "type", "param", "code"}}`) and say what to change: 400 for bad input,
-401, 413, 500 for a request the engine failed alone (the others go on), 503 when the queue is
-full (with Retry-After) or the engine stopped. `/openapi.json` describes exactly that
-(`specserve.openapi`). A client that goes away, streaming or not, aborts its requests, which
-frees their KV blocks.
+401, 413, 429 when --max-queued-requests are already queued (with Retry-After: back off, as from
+TGI's "model is overloaded"), 500 for a request the engine failed alone (the others go on), 503
+only when the engine cannot serve at all (it stopped; the process exits for a restart).
+`/openapi.json` describes exactly that (`specserve.openapi`). A client that goes away, streaming
+or not, aborts its requests, which frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from specserve.sampling import SamplingParams
 
 logger = logging.getLogger("specserve")
 T = TypeVar("T")
-RETRY_AFTER_SECONDS = 1  # what a 503 for a full queue tells clients to wait (OpenAI's SDK honours it)
+RETRY_AFTER_SECONDS = 1  # what a 429 for a full queue tells clients to wait (OpenAI's SDK honours it)
 
 
 @dataclass
@@ -342,16 +343,16 @@ class _Handlers:
 
     @contextmanager
     def _admission(self, count: int) -> Iterator[_Admission]:
-        """Admit `count` requests or refuse with a 503 now, before the handler's first await."""
+        """Admit `count` requests or refuse them now (429), before the handler's first await."""
         if self.engine.error is not None:
             raise APIError(503, f"the engine stopped: {self.engine.error!r}; the server is restarting",
                            "server_error", code="engine_dead")
         limit = self.settings.max_queued_requests
         queued = self.engine.num_unfinished + self.pending
         if queued + count > limit:
-            self.metrics.rejected["server_overloaded"] += 1
-            raise APIError(503, f"the server is full: {queued} requests are queued or running (at most {limit}); "
-                                f"retry later", "server_error", code="server_overloaded",
+            self.metrics.rejected["queue_full"] += 1
+            raise APIError(429, f"the server is full: {queued} requests are queued or running (at most {limit}); "
+                                f"retry later", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         admission = _Admission(self, count)
         self.pending += count

@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -287,10 +291,10 @@ def test_a_body_over_the_limit_is_refused(server):
     assert "exceeds" in error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": prompt}), 413)
 
 
-def test_a_full_queue_answers_503_instead_of_queueing_for_ever(server):
+def test_a_full_queue_answers_429_instead_of_queueing_for_ever(server):
     server.settings.max_queued_requests = 0
     try:
-        message = error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": "x"}), 503)
+        message = error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": "x"}), 429)
         assert "retry" in message
     finally:
         server.settings.max_queued_requests = 256
@@ -342,15 +346,13 @@ def test_thirty_two_concurrent_clients_all_get_complete_answers(server):
 # -- the command ------------------------------------------------------------------------------------
 
 
-def test_specserve_serve_answers_then_exits_cleanly_on_sigterm(tiny_chat_model):
-    import signal
-    import subprocess
-    import sys
-
+@contextlib.contextmanager
+def serve_command(model, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`specserve serve` on the tiny model as a process of its own, once /health answers: (it, its URL)."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "serve", "--target", str(tiny_chat_model), "--dtype", "float32",
-         "--kv-cache-memory", "32MiB", "--port", str(port), "--served-model-name", MODEL, "--log-level", "warning"],
+        [sys.executable, "-m", "specserve.cli", "serve", "--target", str(model), "--dtype", "float32",
+         "--kv-cache-memory", "32MiB", "--port", str(port), "--served-model-name", MODEL, *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -362,6 +364,14 @@ def test_specserve_serve_answers_then_exits_cleanly_on_sigterm(tiny_chat_model):
                 return False
 
         assert wait_until(up, timeout=120), process.stdout.read() if process.poll() is not None else "not up"
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_specserve_serve_answers_then_exits_cleanly_on_sigterm(tiny_chat_model):
+    with serve_command(tiny_chat_model, "--log-level", "warning") as (process, url):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         assert client.completions.create(model=MODEL, prompt="Hi", **GREEDY).choices[0].text
         # SIGTERM mid-stream: the stream in flight still runs to its end, then the process exits 0.
@@ -377,31 +387,10 @@ def test_specserve_serve_answers_then_exits_cleanly_on_sigterm(tiny_chat_model):
                 done = done or line == "data: [DONE]"
         assert done and finishes[-1] == "length"
         assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_a_drain_that_runs_out_cuts_the_streams_and_exits_0_without_a_traceback(tiny_chat_model):
-    import signal
-    import subprocess
-    import sys
-
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "serve", "--target", str(tiny_chat_model), "--dtype", "float32",
-         "--kv-cache-memory", "32MiB", "--port", str(port), "--served-model-name", MODEL, "--drain-seconds", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/health").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(up, timeout=120), process.stdout.read() if process.poll() is not None else "not up"
+    with serve_command(tiny_chat_model, "--drain-seconds", "1") as (process, url):
         body = {"model": MODEL, "prompt": "Endless", "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         lines = []
@@ -416,9 +405,6 @@ def test_a_drain_that_runs_out_cuts_the_streams_and_exits_0_without_a_traceback(
         assert process.wait(timeout=60) == 0
         log = process.stdout.read()
         assert "Traceback" not in log and "Event loop is closed" not in log, log
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_the_embedded_default_serves_with_its_own_drafter_unless_told_otherwise():
@@ -530,9 +516,9 @@ def test_the_queue_limit_holds_exactly_under_a_simultaneous_burst(server):
 
             responses = asyncio.run(burst())
             statuses = sorted(r.status_code for r in responses)
-            assert statuses == [200] * 8 + [503] * 32, statuses
-            refused = next(r for r in responses if r.status_code == 503)
-            assert refused.headers["retry-after"] == "1" and "retry later" in error_of(refused, 503)
+            assert statuses == [200] * 8 + [429] * 32, statuses
+            refused = next(r for r in responses if r.status_code == 429)
+            assert refused.headers["retry-after"] == "1" and "retry later" in error_of(refused, 429)
             assert all(r.text.rstrip().endswith("data: [DONE]") for r in responses if r.status_code == 200 and stream)
             assert wait_until(server.blocks_all_free)
     finally:
@@ -588,7 +574,7 @@ def test_the_openapi_document_says_what_the_server_does(server):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = spec["paths"][path]["post"]["responses"]
-        assert "422" not in responses and {"200", "400", "401", "413", "500", "503"} <= set(responses)
+        assert "422" not in responses and {"200", "400", "401", "413", "429", "500", "503"} <= set(responses)
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     request = spec["components"]["schemas"]["CompletionRequest"]
     assert request["properties"]["model"]["enum"] == [MODEL]
