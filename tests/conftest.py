@@ -63,6 +63,25 @@ def tiny_chat_model(smollm2_path, tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.fixture
+def failing_sampling(monkeypatch):
+    """`failing_sampling(seed, message)`: from then on the engine's sampling raises `message` for
+    every row of a request seeded with `seed` (a fault only that request should feel)."""
+    import specserve.engine as engine_module
+
+    real = engine_module.sample_row
+
+    def install(seed: int, message: str) -> None:
+        def sample_row(logits, row):
+            if row.params.seed == seed:
+                raise RuntimeError(message)
+            return real(logits, row)
+
+        monkeypatch.setattr(engine_module, "sample_row", sample_row)
+
+    return install
+
+
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's goodness-of-fit test of observed `counts` against `probs`.
 

@@ -190,20 +190,12 @@ def test_a_drafter_that_raises_costs_its_sequences_that_step_only(tiny_chat_mode
     engine.check_invariants()
 
 
-def test_a_request_whose_sampling_raises_fails_alone(tiny_chat_model, monkeypatch):
-    import specserve.engine as engine_module
-
-    def sample_row(logits, row):
-        if row.params.seed == 13:
-            raise RuntimeError("sampling broke")
-        return real(logits, row)
-
-    real = engine_module.sample_row
+def test_a_request_whose_sampling_raises_fails_alone(tiny_chat_model, failing_sampling):
     sampled = SamplingParams(temperature=0.9, max_tokens=12, seed=1, n=2, ignore_eos=True)
     requests = {"greedy": ([3, 4, 5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
                 "seeded": ([8, 9], sampled)}
     expected = run_all(make_engine(tiny_chat_model), requests)
-    monkeypatch.setattr(engine_module, "sample_row", sample_row)
+    failing_sampling(13, "sampling broke")
     engine = make_engine(tiny_chat_model)
     doomed = SamplingParams(temperature=0.9, max_tokens=12, seed=13, n=2, ignore_eos=True)
     finals = run_all(engine, {**requests, "doomed": ([6, 7], doomed)})

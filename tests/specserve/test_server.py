@@ -452,16 +452,8 @@ def test_a_repetition_penalty_that_would_overflow_is_refused_naming_its_bounds(s
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
-def test_a_request_the_engine_fails_gets_a_500_naming_the_cause_and_the_others_go_on(server, monkeypatch):
-    import specserve.engine as engine_module
-
-    def sample_row(logits, row):
-        if row.params.seed == 666:
-            raise RuntimeError("this row is cursed")
-        return real(logits, row)
-
-    real = engine_module.sample_row
-    monkeypatch.setattr(engine_module, "sample_row", sample_row)
+def test_a_request_the_engine_fails_gets_a_500_naming_the_cause_and_the_others_go_on(server, failing_sampling):
+    failing_sampling(666, "this row is cursed")
     expected = server.client().completions.create(model=MODEL, prompt="Fine", **GREEDY).choices[0].text
 
     async def run() -> tuple[list[httpx.Response], list[str]]:

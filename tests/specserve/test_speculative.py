@@ -21,6 +21,7 @@ from specserve import verify as verify_module
 from specserve.closed_loop import run_to_completion
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
+from specserve.machine import processor_name
 from specserve.sampling import SamplingParams
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "spec_bench_52.jsonl"
@@ -106,6 +107,26 @@ def test_greedy_speculation_equals_plain_decoding(smollm2_path, smollm2_draft_pa
         assert sum(o.metrics.num_preemptions for o in outputs) > 0
 
 
+def row_variant_projection(model: torch.nn.Module, step_sizes) -> str | None:
+    """A projection of `model` whose output row depends on the other rows of the step (oneDNN picks
+    its blocking by the number of rows, and on some CPUs, e.g. AMD EPYC with AVX512-BF16, that
+    changes the accumulation order), described; None when every row is computed alike."""
+    from specserve.models.linear import Projection
+
+    generator = torch.Generator().manual_seed(0)
+    seen = set()
+    for name, projection in model.named_modules():
+        if not isinstance(projection, Projection) or (projection.in_features, *projection.out_sizes) in seen:
+            continue
+        seen.add((projection.in_features, *projection.out_sizes))
+        for rows in step_sizes:
+            x = torch.randn(rows, projection.in_features, generator=generator).to(model.dtype)
+            together = projection(x)
+            if any(not torch.equal(projection(x[r : r + 1])[0], together[r]) for r in range(rows)):
+                return f"{name} ({projection.in_features} -> {sum(projection.out_sizes)}) in a step of {rows} rows"
+    return None
+
+
 @pytest.mark.slow
 def test_greedy_chain_speculation_equals_plain_decoding_in_bf16_too(smollm2_path, spec_bench):
     """In bf16 a verifying chain's logits match one-token decodes' bit for bit (attention keys
@@ -118,6 +139,10 @@ def test_greedy_chain_speculation_equals_plain_decoding_in_bf16_too(smollm2_path
     engine = LLMEngine(smollm2_path, dtype="bfloat16",
                        config=EngineConfig(speculation="fixed", draft="ngram+feature", kv_cache_memory="256MiB",
                                          enable_prefix_caching=False))
+    variant = row_variant_projection(engine.model, step_sizes=range(2, 10))
+    if variant is not None:
+        pytest.skip(f"this CPU's bf16 matmul ({processor_name()}) rounds a row of {variant} differently than "
+                    f"the same row alone, so no chain can match one-token decodes bit for bit here")
 
     def replies(speculation: dict) -> list[list[int]]:  # greedy, each prompt alone
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, speculation=speculation)
