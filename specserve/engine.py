@@ -3,7 +3,7 @@
     Scheduler.schedule() -> StepPlan             who runs, prefill chunks, a tree budget each
     Drafter.propose()    -> Draft per sequence   trees rooted at each decoding sequence's last token
     ModelRunner.forward()                        one target pass over every chain and tree
-    verify() / sample()  -> tokens               accepted path + bonus token, or one sampled token
+    verify() / sample_row() -> tokens            accepted path + bonus token, or one sampled token
     KVCache.compact(), BlockManager.commit()     accepted K/V made contiguous, full blocks hashed
 
 The asynchronous engine (`specserve.async_engine`) runs this same loop in a thread.

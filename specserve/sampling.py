@@ -214,15 +214,6 @@ def sampling_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tenso
     return filter_logits(logits, row.params).softmax(-1)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-    """Next token per row of `logits` ([len(rows), vocab])."""
-    tokens = logits.argmax(-1).tolist()  # plain greedy rows, all at once
-    for i, (row_logits, row) in enumerate(zip(logits, rows, strict=True)):
-        if not row.params.plain_greedy:
-            tokens[i] = sample_row(row_logits, row)
-    return tokens
-
-
 def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     """The next token of one row (`logits`: [vocab]). Raises SamplingError for non-finite logits."""
     probs = sampling_distribution(logits, row)

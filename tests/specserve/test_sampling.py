@@ -18,7 +18,7 @@ from specserve.sampling import (
     SamplingRow,
     apply_penalties,
     filter_logits,
-    sample,
+    sample_row,
     sampling_distribution,
     top_logprobs,
 )
@@ -86,7 +86,7 @@ def test_greedy_takes_the_penalised_argmax():
     logits = torch.tensor([1.0, 5.0, 4.9])
     plain = SamplingRow(SamplingParams(temperature=0), [], [1])
     penalised = SamplingRow(SamplingParams(temperature=0, frequency_penalty=1.0), [], [1])
-    assert sample(torch.stack([logits, logits]), [plain, penalised]) == [1, 2]
+    assert [sample_row(logits, row) for row in (plain, penalised)] == [1, 2]
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
@@ -96,7 +96,8 @@ def test_seeded_rows_do_not_depend_on_the_batch():
         """20 steps of a batch; the tokens of the row for request `watch`."""
         rows = [SamplingRow(SamplingParams(temperature=1.0, seed=s), [], [], torch.Generator().manual_seed(s))
                 for s in seeds]
-        return [sample(logits[order], rows)[order.index(watch)] for _ in range(20)]
+        return [[sample_row(row_logits, row) for row_logits, row in zip(logits[order], rows, strict=True)]
+                [order.index(watch)] for _ in range(20)]
 
     alone = draws([0], [7], watch=0)
     in_batch = draws([0, 1, 2], [7, 8, 9], watch=0)
@@ -112,7 +113,7 @@ def test_draws_follow_the_distribution():
     rows = [SamplingRow(params, [], [], gen)]
     counts = torch.zeros(4)
     for _ in range(20000):
-        counts[sample(logits[None], rows)[0]] += 1
+        counts[sample_row(logits, rows[0])] += 1
     expected = filter_logits(logits, params).softmax(-1) * 20000
     assert counts[3] == 0
     chi2 = sum((counts[i] - expected[i]) ** 2 / expected[i] for i in range(3)).item()
