@@ -232,8 +232,8 @@ class SpeculationPolicy:
             seconds += table[deepest]
         return seconds
 
-    def _record(self, drafter: Drafter | None) -> _DrafterRecord:
-        return _DrafterRecord() if drafter is None else self._drafters.setdefault(drafter, _DrafterRecord())
+    def _record(self, drafter: Drafter) -> _DrafterRecord:
+        return self._drafters.setdefault(drafter, _DrafterRecord())
 
 
 def _bucket(num_seqs: int) -> int:
