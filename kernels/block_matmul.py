@@ -1,0 +1,82 @@
+"""Matmuls over GGUF-style quantized blocks on the CPU: our C++ kernel, built for this machine.
+
+`block_matmul(x, codes, scale, min, bits, group)` computes `x @ W.T` with `W = scale * codes + min`
+per group of `group` inputs (see `kernels/cpu/block_matmul.cpp`). The kernel is compiled once
+per CPU (`-march=native`: AVX-512 VNNI, AVX2 or portable C++) the first time it is needed and
+cached under the specserve cache directory; later starts only load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "cpu" / "block_matmul.cpp"
+log = logging.getLogger(__name__)
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernel could not be built here; the message says what is missing."""
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on: the CPU's instruction sets, the source, torch."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    for part in (flags, SOURCE.read_text(), torch.__version__, sys.version):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_dir() -> Path:
+    from specserve.pull import cache_dir  # the kernel lives beside the models and cost curves
+
+    path = cache_dir() / "kernels" / f"block_matmul-{_cpu_key()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@cache
+def load() -> None:
+    """Build (once per CPU) and load the kernel, registering `torch.ops.specserve_cpu`."""
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    cflags = ["-O3", "-march=native", "-fopenmp"]
+    try:
+        cpp_extension.load(
+            name="specserve_block_matmul", sources=[str(SOURCE)], extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"], build_directory=str(_build_dir()), is_python_module=False,
+            verbose=os.environ.get("SPECSERVE_VERBOSE_BUILD") == "1",
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        raise KernelBuildError(
+            f"could not build the quantized CPU kernel ({e}). It needs a C++ compiler (g++) and ninja "
+            f"(`pip install ninja`); or serve unquantized weights with --quantization none"
+        ) from e
+    log.info("quantized CPU kernel ready (%s) in %.1f s", torch.ops.specserve_cpu.isa(), time.perf_counter() - start)
+
+
+def isa() -> str:
+    """The instruction path the loaded kernel was compiled for: avx512-vnni, avx2 or portable."""
+    load()
+    return torch.ops.specserve_cpu.isa()
+
+
+def block_matmul(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, bits: int, group: int
+) -> torch.Tensor:
+    load()
+    return torch.ops.specserve_cpu.block_matmul(x, codes, scale, min, bits, group)

@@ -1,0 +1,332 @@
+// y = x W^T for W held in GGUF-style blocks: unsigned codes q with one scale and one minimum
+// per group of 16 or 32 inputs, w = scale * q + min (Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 all map
+// onto this). Activations are quantized to int8 per block of 32 (one scale each, as llama.cpp's
+// Q8_1), so each group's dot product is exact integer arithmetic (VNNI or AVX2 maddubs).
+//
+// Why a kernel of our own: torch's int4/int8 weight-only CPU kernels cost 3-5x more for 8 rows
+// than for one, so a verification tree costs several tokens. Here one weight group is unpacked
+// once and used for every row while it sits in registers: the step reads the weights once.
+//
+// Every output element is computed by the same sequence of operations whatever the number of
+// rows, the tile it falls in or the thread that runs it: a row's result never depends on the
+// other rows of the step (what speculative verification needs to be exact).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kActBlock = 32;  // activation quantization block (one int8 scale each)
+
+struct Activations {
+  at::Tensor q;       // int8 [M, K]
+  at::Tensor scale;   // f32 [M, K / 32]
+  at::Tensor sums;    // f32 [M, K / group]: scale * sum(q) over each weight group
+  at::Tensor lanes;   // f32 [M, K / 4]: each block's scale once per int32 lane (512-bit path)
+};
+
+// Round to nearest, ties to even, as cvtps2dq does: the same integers on every CPU.
+inline int32_t round_even(float v) { return static_cast<int32_t>(std::nearbyint(v)); }
+
+Activations quantize_activations(const at::Tensor& x, int64_t group) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Activations a{at::empty({M, K}, at::kChar), at::empty({M, K / kActBlock}, at::kFloat),
+                at::empty({M, K / group}, at::kFloat), at::empty({M, K / 4}, at::kFloat)};
+  float* lp = a.lanes.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float* sp = a.scale.data_ptr<float>();
+  float* sump = a.sums.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / kActBlock; ++b) {
+      const float* xb = xp + m * K + b * kActBlock;
+      float amax = 0.f;
+      for (int j = 0; j < kActBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int8_t* qb = qp + m * K + b * kActBlock;
+      for (int j = 0; j < kActBlock; ++j) qb[j] = static_cast<int8_t>(round_even(xb[j] * id));
+      sp[m * (K / kActBlock) + b] = d;
+      for (int j = 0; j < kActBlock / 4; ++j) lp[m * (K / 4) + b * (kActBlock / 4) + j] = d;
+      for (int64_t g = 0; g < kActBlock / group; ++g) {
+        int32_t s = 0;
+        for (int64_t j = 0; j < group; ++j) s += qb[g * group + j];
+        sump[m * (K / group) + b * (kActBlock / group) + g] = d * static_cast<float>(s);
+      }
+    }
+  }
+  return a;
+}
+
+#if defined(__AVX2__)
+
+// 32 weight codes of one 32-input span, as unsigned bytes in input order.
+template <int Bits>
+inline __m256i load_codes(const uint8_t* codes) {
+  if constexpr (Bits == 4) {  // 16 bytes: low nibbles are inputs 0-15, high nibbles 16-31
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(packed, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    return _mm256_set_m128i(hi, lo);
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  }
+}
+
+// Eight int32 lanes, lane i the sum of four products of inputs 4i..4i+3 (exact).
+template <int Bits>
+inline __m256i dot_span(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  if constexpr (Bits <= 6) {  // products fit maddubs' saturating int16 pairs: 63 * 127 * 2 < 32767
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+  } else {
+    // 8-bit codes could saturate maddubs: widen to int16 first, then pair sums, then fold the
+    // pairs so that each lane covers inputs 4i..4i+3 as in the VNNI path.
+    const __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+    const __m256i w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+    const __m256i x_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x));
+    const __m256i x_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x, 1));
+    const __m256i p_lo = _mm256_madd_epi16(w_lo, x_lo);  // pairs of inputs 0-15
+    const __m256i p_hi = _mm256_madd_epi16(w_hi, x_hi);  // pairs of inputs 16-31
+    const __m256i s = _mm256_hadd_epi32(p_lo, p_hi);     // quads, lanes interleaved per 128 bits
+    return _mm256_permute4x64_epi64(s, 0xD8);            // quads in input order
+  }
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows [0, R) of one output: R accumulators share each unpacked weight span.
+template <int Bits, int Group, int R>
+void output_rows(const uint8_t* codes, const float* scale, const float* min, const int8_t* xq,
+                 const float* xscale, const float* xsums, int64_t K, float* y, int64_t ldy) {
+  constexpr int64_t kCodeBytes = Bits == 4 ? 16 : 32;  // bytes per 32 inputs
+  const int64_t spans = K / 32, groups = K / Group;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < spans; ++s) {
+    const __m256i w = load_codes<Bits>(codes + s * kCodeBytes);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + s * 32));
+      const float xs = xscale[r * spans + s];
+      __m256 factor;
+      if constexpr (Group == 32) {
+        factor = _mm256_set1_ps(scale[s] * xs);
+      } else {  // two groups of 16: lanes 0-3 and 4-7
+        factor = _mm256_set_m128(_mm_set1_ps(scale[2 * s + 1] * xs), _mm_set1_ps(scale[2 * s] * xs));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_span<Bits>(w, x)), factor, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    // The minimums' share: sum over groups of min * (activation scale * sum of codes).
+    __m256 macc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+      macc = _mm256_fmadd_ps(_mm256_loadu_ps(min + g), _mm256_loadu_ps(xsums + r * groups + g), macc);
+    float tail = 0.f;
+    for (; g < groups; ++g) tail = std::fma(min[g], xsums[r * groups + g], tail);
+    y[r * ldy] = hsum(acc[r]) + (hsum(macc) + tail);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kWide = true;
+
+template <int Bits>
+inline __m512i load_codes2(const uint8_t* codes) {  // two spans: 64 codes in input order
+  if constexpr (Bits == 4) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+    // lanes: [lo0 | lo1 | hi0 | hi1] (16 bytes each) -> [lo0 | hi0 | lo1 | hi1]
+    return _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), mask);
+  } else {
+    return _mm512_loadu_si512(codes);
+  }
+}
+
+// The weights' scales once per int32 lane of two spans.
+template <int Group>
+inline __m512 scale_lanes2(const float* scale, int64_t s) {
+  if constexpr (Group == 32) {
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(scale + s))));
+  } else {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(scale + 2 * s)));
+  }
+}
+
+template <int Bits, int Group, int R>
+void output_rows_wide(const uint8_t* codes, const float* scale, const float* min, const int8_t* xq,
+                      const float* xlanes, const float* xsums, int64_t K, float* y, int64_t ldy) {
+  constexpr int64_t kCodeBytes = Bits == 4 ? 16 : 32;
+  const int64_t spans = K / 32, groups = K / Group;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < spans; s += 2) {
+    const __m512i w = load_codes2<Bits>(codes + s * kCodeBytes);
+    const __m512 ws = scale_lanes2<Group>(scale, s);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xq + r * K + s * 32);
+      const __m512 factor = _mm512_mul_ps(ws, _mm512_loadu_ps(xlanes + r * (K / 4) + s * 8));
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), factor, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 macc = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= groups; g += 16)
+      macc = _mm512_fmadd_ps(_mm512_loadu_ps(min + g), _mm512_loadu_ps(xsums + r * groups + g), macc);
+    float tail = 0.f;
+    for (; g < groups; ++g) tail = std::fma(min[g], xsums[r * groups + g], tail);
+    y[r * ldy] = _mm512_reduce_add_ps(acc[r]) + (_mm512_reduce_add_ps(macc) + tail);
+  }
+}
+#else
+constexpr bool kWide = false;
+template <int Bits, int Group, int R>
+void output_rows_wide(const uint8_t*, const float*, const float*, const int8_t*, const float*, const float*,
+                      int64_t, float*, int64_t) {}
+#endif
+
+#else  // portable fallback with the same arithmetic structure (eight lanes, then the minimums)
+
+template <int Bits, int Group, int R>
+void output_rows(const uint8_t* codes, const float* scale, const float* min, const int8_t* xq,
+                 const float* xscale, const float* xsums, int64_t K, float* y, int64_t ldy) {
+  constexpr int64_t kCodeBytes = Bits == 4 ? 16 : 32;
+  const int64_t spans = K / 32, groups = K / Group;
+  for (int r = 0; r < R; ++r) {
+    float acc[8] = {0};
+    for (int64_t s = 0; s < spans; ++s) {
+      uint8_t w[32];
+      const uint8_t* c = codes + s * kCodeBytes;
+      for (int j = 0; j < 32; ++j) w[j] = Bits == 4 ? (j < 16 ? c[j] & 0x0F : c[j - 16] >> 4) : c[j];
+      const int8_t* x = xq + r * K + s * 32;
+      for (int lane = 0; lane < 8; ++lane) {
+        int32_t dot = 0;
+        for (int j = 4 * lane; j < 4 * lane + 4; ++j) dot += int32_t(w[j]) * int32_t(x[j]);
+        const float sc = Group == 32 ? scale[s] : scale[2 * s + lane / 4];
+        acc[lane] = std::fma(float(dot), sc * xscale[r * spans + s], acc[lane]);
+      }
+    }
+    float total = 0.f, mins = 0.f;
+    for (float a : acc) total += a;
+    for (int64_t g = 0; g < groups; ++g) mins = std::fma(min[g], xsums[r * groups + g], mins);
+    y[r * ldy] = total + mins;
+  }
+}
+
+constexpr bool kWide = false;
+template <int Bits, int Group, int R>
+void output_rows_wide(const uint8_t*, const float*, const float*, const int8_t*, const float*, const float*,
+                      int64_t, float*, int64_t) {}
+#endif
+
+// One output, rows [0, R): the 512-bit kernel when the spans pair up, else the 256-bit one.
+// The choice depends on K only, so every row of every step takes the same path.
+template <int Bits, int Group, int R>
+inline void rows_of_output(const uint8_t* codes, const float* scale, const float* min, const Activations& a,
+                           int64_t m, int64_t K, float* y, int64_t ldy) {
+  const int64_t spans = K / 32, groups = K / Group;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
+  const float* xsums = a.sums.data_ptr<float>() + m * groups;
+  if (kWide && spans % 2 == 0)
+    output_rows_wide<Bits, Group, R>(codes, scale, min, xq, a.lanes.data_ptr<float>() + m * (K / 4), xsums, K, y, ldy);
+  else
+    output_rows<Bits, Group, R>(codes, scale, min, xq, a.scale.data_ptr<float>() + m * spans, xsums, K, y, ldy);
+}
+
+template <int Bits, int Group>
+void block_matmul_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& min, at::Tensor& y) {
+  const int64_t M = a.q.size(0), K = a.q.size(1), N = codes.size(0);
+  const int64_t code_row = codes.size(1), groups = K / Group;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = min.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRows = 4;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* c = cp + n * code_row;
+      const float* s = sp + n * groups;
+      const float* mn = mp + n * groups;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) rows_of_output<Bits, Group, kRows>(c, s, mn, a, m, K, yp + m * N + n, N);
+      const int64_t rest = M - m;
+      if (rest == 3) rows_of_output<Bits, Group, 3>(c, s, mn, a, m, K, yp + m * N + n, N);
+      if (rest == 2) rows_of_output<Bits, Group, 2>(c, s, mn, a, m, K, yp + m * N + n, N);
+      if (rest == 1) rows_of_output<Bits, Group, 1>(c, s, mn, a, m, K, yp + m * N + n, N);
+    }
+  });
+}
+
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const at::Tensor& min, int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_matmul: x must be a 2-D float32 tensor");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2, "block_matmul: codes must be 2-D uint8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "block_matmul: bits must be 4, 6 or 8");
+  TORCH_CHECK(group == 16 || group == 32, "block_matmul: group must be 16 or 32");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 32 == 0, "block_matmul: the input size must be a multiple of 32");
+  TORCH_CHECK(codes.size(1) == (bits == 4 ? K / 2 : K), "block_matmul: codes do not fit the input size");
+  TORCH_CHECK(scale.sizes() == at::IntArrayRef({N, K / group}) && min.sizes() == scale.sizes() &&
+                  scale.scalar_type() == at::kFloat && min.scalar_type() == at::kFloat,
+              "block_matmul: scale and min must be float32 [N, K / group]");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor cc = codes.contiguous(), sc = scale.contiguous(), mc = min.contiguous();
+  const Activations a = quantize_activations(xc, group);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0 || N == 0) return y;
+  if (bits == 4 && group == 32) block_matmul_impl<4, 32>(a, cc, sc, mc, y);
+  else if (bits == 4) block_matmul_impl<4, 16>(a, cc, sc, mc, y);
+  else if (bits == 6 && group == 32) block_matmul_impl<6, 32>(a, cc, sc, mc, y);
+  else if (bits == 6) block_matmul_impl<6, 16>(a, cc, sc, mc, y);
+  else if (group == 32) block_matmul_impl<8, 32>(a, cc, sc, mc, y);
+  else block_matmul_impl<8, 16>(a, cc, sc, mc, y);
+  return y;
+}
+
+// Which instruction path this build took (for logs and benchmark records).
+std::string isa() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return "avx512-vnni";
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx2+vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specserve_cpu, m) {
+  m.def("block_matmul(Tensor x, Tensor codes, Tensor scale, Tensor min, int bits, int group) -> Tensor");
+  m.def("isa() -> str");
+}
+
+TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) { m.impl("block_matmul", &block_matmul); }
+
+TORCH_LIBRARY_IMPL(specserve_cpu, CatchAll, m) { m.impl("isa", &isa); }

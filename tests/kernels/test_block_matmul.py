@@ -1,0 +1,67 @@
+"""The quantized CPU kernel: the arithmetic it promises, and rows that never depend on each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.block_matmul import block_matmul, isa
+from specserve.models.gguf import decode_blocks
+from tests.specserve.models.test_gguf import random_blocks
+
+FORMATS = ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"]
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies: x rounded to int8 per block of 32 with scale max|x| / 127."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(scale == 0, 1, scale)) * scale).view_as(x)
+
+
+def run(x, weight):
+    return block_matmul(x, weight.codes, weight.scale, weight.min, weight.bits, weight.group)
+
+
+def test_the_build_names_its_instruction_path():
+    assert isa() in {"avx512-vnni", "avx2+vnni", "avx2", "portable"}
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+@pytest.mark.parametrize("odd_spans", [False, True])  # 512-bit kernels pair 32-column spans
+def test_computes_quantized_activations_times_the_dequantized_weights(type_name, odd_spans):
+    if odd_spans and type_name.endswith("_K"):
+        pytest.skip("K-quant rows are whole 256-column blocks: always an even number of spans")
+    cols = 96 if odd_spans else 768
+    weight = decode_blocks(random_blocks(type_name, 40, cols), type_name, 40)
+    x = torch.randn(5, cols)
+    expected = quantized_activations(x) @ weight.dequantize().double().T
+    got = run(x, weight).double()
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # ...which stays close to the exact product (activation rounding is the only approximation)
+    exact = x.double() @ weight.dequantize().double().T
+    assert (got - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_each_row_is_computed_as_if_alone(type_name):
+    cols = 512 if type_name.endswith("_K") else 544  # 17 spans: the odd path too
+    weight = decode_blocks(random_blocks(type_name, 33, cols), type_name, 33)
+    x = torch.randn(70, cols) * torch.logspace(-2, 2, 70).unsqueeze(1)
+    alone = torch.cat([run(x[i:i + 1], weight) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 8, 9, 17, 64, 70):
+        assert torch.equal(run(x[:rows], weight), alone[:rows])
+
+
+def test_zero_rows_and_zero_activations():
+    weight = decode_blocks(random_blocks("Q4_1", 8, 256), "Q4_1", 8)
+    assert run(torch.zeros(0, 256), weight).shape == (0, 8)
+    assert torch.equal(run(torch.zeros(2, 256), weight), torch.zeros(2, 8))
+
+
+def test_refuses_what_it_cannot_compute():
+    weight = decode_blocks(random_blocks("Q4_1", 8, 256), "Q4_1", 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        run(torch.randn(2, 256, dtype=torch.float64), weight)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        run(torch.randn(2, 288), weight)
