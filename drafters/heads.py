@@ -192,8 +192,7 @@ class HeadDrafter(TreeSearchDrafter):
         self.layer = build_layer(model.config, {k.removeprefix("layer."): v for k, v in tensors.items()
                                                 if k.startswith("layer.")}, model.dtype)
         pack = packing_available(model.dtype)
-        self.lm_head = Projection(model.config.hidden_size, [len(self.vocab_ids)])
-        self.lm_head.load([model.lm_head.blocks[0][self.vocab_ids].contiguous()], None, pack=pack)
+        self.lm_head = model.lm_head.select_rows(self.vocab_ids)
         self._load_extra(tensors, model, pack)
         mc = model.config
         self.cache = KVCache(1, target.num_blocks, target.block_size, mc.num_kv_heads, mc.head_dim, model.dtype)

@@ -54,6 +54,8 @@ def load() -> None:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
+    # pip puts ninja beside the interpreter; a server started as .venv/bin/specserve lacks it on PATH
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     cflags = ["-O3", "-march=native", "-fopenmp"]
     try:
         cpp_extension.load(

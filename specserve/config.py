@@ -34,6 +34,9 @@ class EngineConfig:
     # "adaptive": each step's tree budgets maximise expected tokens/s under the measured cost
     # model; "fixed": every speculating request gets its cap; "off": the plain engine.
     speculation: str = "adaptive"
+    # The target's weights: "auto" serves a GGUF in its own quantized blocks (else the checkpoint
+    # as saved); "none" serves plain weights (a GGUF's dequantized exactly). See loader.DEFAULT_QUANTIZATION.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -59,6 +62,10 @@ class EngineConfig:
         if self.draft_quantization not in (None, *DRAFT_QUANTIZATIONS):
             raise ValueError(f"draft_quantization {self.draft_quantization!r}: use "
                              f"{', '.join(DRAFT_QUANTIZATIONS)} or none")
+        from specserve.models.loader import QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation {self.speculation!r}: use one of {', '.join(SPECULATION_MODES)}")
         from drafters.spec import parse_spec

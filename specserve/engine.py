@@ -75,7 +75,7 @@ class LLMEngine:
                  config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.model_path = Path(model_path)
-        self.model = load_model(model_path, dtype)
+        self.model = load_model(model_path, dtype, self.config.quantization)
         self.tokenizer = load_tokenizer(model_path)
         model_config = self.model.config
         block_size = self.config.block_size

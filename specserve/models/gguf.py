@@ -161,7 +161,7 @@ def dequantized(tensor) -> torch.Tensor:
     from gguf.quants import dequantize
 
     shape = [int(d) for d in reversed(tensor.shape)]
-    return torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), np.float32)).view(shape)
+    return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32)).view(shape)  # a copy
 
 
 # GGUF names -> our (Hugging Face) names; per layer `blk.{i}.` -> `layers.{i}.`

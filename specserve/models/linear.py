@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.block_matmul import block_matmul
+from specserve.models.gguf import BlockWeight
+
 LARGE_STEP_TOKENS = 128
 PACK_BATCH_HINT = 64  # the oneDNN packing measured fastest for every step size up to 128 tokens
 
@@ -55,6 +58,29 @@ class Projection(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN-packed fused weight (packed mode)
         self.fused_bias: torch.Tensor | None = None
         self.int8: torch.ScriptObject | None = None  # fbgemm-packed int8 fused weight (drafts only)
+        # GGUF blocks, kept quantized (every step size): one fused weight, or one per block when
+        # their formats differ (a Q4_K_M file mixes Q4_K and Q6_K within q/k/v).
+        self.quantized: list[BlockWeight] = []
+
+    def load_quantized(self, blocks: Sequence[BlockWeight], biases: Sequence[torch.Tensor] | None) -> None:
+        """Take GGUF block weights (one per block, in order); they stay in their own format."""
+        shapes = [b.shape for b in blocks]
+        if shapes != [(n, self.in_features) for n in self.out_sizes]:
+            raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
+        self.fused_bias = torch.cat([b.float() for b in biases]) if biases else None
+        fused = BlockWeight.stack(list(blocks))
+        self.quantized = [fused] if fused is not None else list(blocks)
+
+    def select_rows(self, rows: torch.Tensor) -> Projection:
+        """A one-block projection computing only output rows `rows` (a restricted LM head)."""
+        if self.fused_bias is not None or len(self.out_sizes) != 1:
+            raise ValueError("only a single-block projection without bias can be restricted to rows")
+        head = Projection(self.in_features, [len(rows)])
+        if self.quantized:
+            head.load_quantized([self.quantized[0].permute_rows(rows)], None)
+        else:
+            head.load([self.blocks[0][rows].contiguous()], None, pack=self.packed is not None)
+        return head
 
     def load(self, blocks: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None, pack: bool) -> None:
         """Take the checkpoint's weights (one per block, in order); `pack` selects packed mode."""
@@ -76,6 +102,8 @@ class Projection(nn.Module):
         quantized per call): half the bytes of bf16 to read, for a draft model whose forwards are
         bandwidth-bound. It changes the outputs slightly, so it is for drafts only, whose tokens
         the target verifies anyway. Large steps keep the plain weights."""
+        if self.quantized:
+            return  # GGUF blocks already read fewer bytes than int8
         weight = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)).float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
         zero_points = torch.zeros(len(scales), dtype=torch.long)
@@ -87,6 +115,8 @@ class Projection(nn.Module):
         self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return self._quantized_forward(x)
         if x.shape[0] < LARGE_STEP_TOKENS:
             if self.int8 is not None:  # reduce_range: fbgemm's 7-bit activations, which cannot overflow
                 return torch.ops.quantized.linear_dynamic(x.float(), self.int8, True).to(x.dtype)
@@ -97,6 +127,31 @@ class Projection(nn.Module):
             return F.linear(x, self.blocks[0], self.biases[0])
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.blocks, self.biases, strict=True)], dim=-1)
 
+    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [block_matmul(x, w.codes, w.scale, w.min, w.bits, w.group) for w in self.quantized]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.fused_bias is None else y + self.fused_bias
+
     def extra_repr(self) -> str:
+        if self.quantized:
+            kinds = "+".join(w.source_type for w in self.quantized)
+            return f"in_features={self.in_features}, out_sizes={self.out_sizes}, {kinds} blocks"
         mode = "packed" if self.packed is not None else "plain"
         return f"in_features={self.in_features}, out_sizes={self.out_sizes}, {mode}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings kept in their GGUF blocks: a lookup dequantizes only the rows it reads,
+    exactly as `gguf` would (see `BlockWeight.dequantize`)."""
+
+    def __init__(self, weight: BlockWeight, dtype: torch.dtype):
+        super().__init__()
+        self.blocks, self.dtype = weight, dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table, dequantized (for tools that need it; the forward never does this)."""
+        return self.blocks.dequantize().to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.blocks.dequantize(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)

@@ -112,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     def init_rotary(self) -> None:
         cfg = self.config
@@ -124,9 +124,7 @@ class LlamaForCausalLM(nn.Module):
         ids = torch.as_tensor(token_ids, dtype=torch.int64).unique()
         if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
             raise ValueError(f"output vocabulary must be token ids in [0, {self.config.vocab_size})")
-        head = Projection(self.config.hidden_size, [ids.numel()])
-        head.load([self.lm_head.blocks[0][ids]], None, pack=self.lm_head.packed is not None)
-        self.lm_head, self.output_ids = head, ids
+        self.lm_head, self.output_ids = self.lm_head.select_rows(ids), ids
 
     def quantize_int8(self) -> None:
         """Every projection, LM head included, runs small steps in int8 (see `Projection.quantize_int8`).

