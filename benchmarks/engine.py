@@ -126,12 +126,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    from transformers import AutoModelForCausalLM
+    from specserve.models.loader import load_transformers
 
     path = resolve_model(args.model)
     levels = [int(c) for c in args.concurrency.split(",")]
     engine = LLMEngine(path, args.dtype, EngineConfig(max_num_seqs=max(levels), kv_cache_memory="2GiB"))
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype)).eval()
+    hf = load_transformers(path, getattr(torch, args.dtype))
     prompts = load_prompts(engine, args.questions, max(levels), args.max_prompt_tokens)
 
     # Warm-up: every batch shape the runs below will see, both engines.

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from specserve.kv_cache import KVCache
 from specserve.machine import processor_name
 from specserve.model_runner import ModelRunner, TreeRequest
-from specserve.models.loader import load_model, parse_dtype
+from specserve.models.loader import load_model, load_transformers, parse_dtype
 from specserve.pull import resolve_model
 from specserve.tree import TokenTree
 
@@ -88,12 +88,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "forward"))
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
 
     path = resolve_model(args.model)
     dtype = parse_dtype(args.dtype)
     ours = load_model(path, dtype)
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    theirs = load_transformers(path, dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = ours.config.vocab_size
     prefix = torch.randint(0, vocab, (args.prefix,), generator=gen).tolist()

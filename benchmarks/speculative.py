@@ -120,15 +120,15 @@ def median(values: list[float]) -> float:
 
 
 def part_a(args) -> None:
-    from transformers import AutoModelForCausalLM
+    from specserve.models.loader import load_transformers
 
     target, draft = resolve_model(args.target), resolve_model(args.draft)
     engine = LLMEngine(target, "bfloat16", EngineConfig(draft=str(draft), speculation=args.speculation,
                                                          kv_cache_memory="1GiB", draft_vocab=args.draft_vocab or None,
                                                          draft_quantization=args.draft_quantization))
     dtype = torch.bfloat16
-    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype).eval()
+    hf = load_transformers(target, dtype)
+    assistant = load_transformers(draft, dtype)
     prompts = [engine.encode(q, chat=True) for q in questions(args.questions)["coding"][: args.prompts]]
     drafter = engine.drafter
     shapes = {"chain": (1, 1, args.chain_tokens), "tree": (args.top_k, args.beam, args.tree_tokens)}

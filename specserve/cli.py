@@ -247,9 +247,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2); "
                         f"default {DEFAULT_KV_CACHE_MEMORY}")
     p.add_argument("--quantization", choices=["auto", "none"], default=None,
-                   help="auto: a GGUF model (every known model) serves its own quantized blocks with specserve's "
-                        "CPU kernel (about 3x faster; greedy speculation not yet always token-exact with it); "
-                        "none (default): plain weights, a GGUF's dequantized exactly")
+                   help="auto (default): a GGUF model (every known model) serves its own quantized blocks with "
+                        "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp); "
+                        "none: plain weights, a GGUF's dequantized exactly")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 where the CPU supports it, else float32 (quantized GGUF weights "
                         "always compute in float32)")

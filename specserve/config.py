@@ -35,8 +35,8 @@ class EngineConfig:
     # model; "fixed": every speculating request gets its cap; "off": the plain engine.
     speculation: str = "adaptive"
     # The target's weights: "auto" serves a GGUF in its own quantized blocks (else the checkpoint
-    # as saved); "none" serves plain weights (a GGUF's dequantized exactly). See loader.DEFAULT_QUANTIZATION.
-    quantization: str = "none"
+    # as saved); "none" serves plain weights (a GGUF's dequantized exactly).
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -2,7 +2,7 @@
 
 Every block format our models ship (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0) is one affine code per weight
 with a scale and a minimum per group of 16 or 32 inputs, `w = scale * q + min`, so they all become
-one `BlockWeight` that `kernels.block_matmul` multiplies directly. Scales and minimums are the
+one `BlockWeight` that `kernels.native.block_matmul` multiplies directly. Scales and minimums are the
 file's own (fp16 products, exact in fp32); `BlockWeight.dequantize` gives `gguf`'s own
 dequantization bit for bit. Other formats (and F32/F16/BF16 tensors) are dequantized by `gguf`.
 """

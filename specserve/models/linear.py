@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.block_matmul import block_matmul
+from kernels.native import block_matmul
 from specserve.models.gguf import BlockWeight
 
 LARGE_STEP_TOKENS = 128

@@ -25,10 +25,6 @@ from specserve.pull import GGUF_FILE
 # auto: a GGUF's own quantized blocks (fp32 activations), else the checkpoint's weights;
 # none: plain weights, a GGUF's dequantized exactly (see `load_gguf`).
 QUANTIZATIONS = ("auto", "none")
-# Not yet "auto": the quantized kernel is row-invariant, but CPU attention is not (its result for a
-# query changes a little with the step's other queries), and int8 activations turn those ulps into
-# other tokens now and then, so greedy speculation would not always equal plain decoding.
-DEFAULT_QUANTIZATION = "none"
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -136,7 +132,7 @@ def load_layer(layer: DecoderLayer, ckpt: Checkpoint, prefix: str, config: Model
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               quantization: str = DEFAULT_QUANTIZATION) -> LlamaForCausalLM:
+               quantization: str = "auto") -> LlamaForCausalLM:
     path = Path(path)
     config = ModelConfig.from_dir(path)
     if quantization not in QUANTIZATIONS:
@@ -170,6 +166,15 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
         mapping.madvise(mmap.MADV_DONTNEED)
     model.init_rotary()
     return model.eval().requires_grad_(False)
+
+
+def load_transformers(path: str | Path, dtype: torch.dtype):
+    """The same weights in transformers (the peer benchmarks run, the tests' oracle): from the
+    GGUF when the directory has one, as we serve it."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {"gguf_file": GGUF_FILE} if (Path(path) / GGUF_FILE).exists() else {}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **extra).eval()
 
 
 def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, quantized: bool) -> LlamaForCausalLM:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_matmul import block_matmul, isa
+from kernels.native import block_matmul, isa
 from specserve.models.gguf import decode_blocks
 from tests.specserve.models.test_gguf import random_blocks
 

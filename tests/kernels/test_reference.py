@@ -99,8 +99,9 @@ def test_one_group_is_the_whole_step_without_copies():
     assert meta.padding_groups == [(None, meta)]
 
 
-def check_against_dense(requests, tables, k_cache, v_cache, block_size: int, heads: int) -> None:
-    """tree_attention over `requests` ((context_len, tree) each) equals dense attention per request,
+def check_against_dense(requests, tables, k_cache, v_cache, block_size: int, heads: int,
+                        attention=tree_attention) -> None:
+    """`attention` over `requests` ((context_len, tree) each) equals dense attention per request,
     and writes each step token's K/V at its slot."""
     kv_heads, head_dim = k_cache.shape[-2:]
     old_k, old_v = k_cache.clone(), v_cache.clone()
@@ -111,7 +112,7 @@ def check_against_dense(requests, tables, k_cache, v_cache, block_size: int, hea
     k = torch.randn(total, kv_heads, head_dim)
     v = torch.randn(total, kv_heads, head_dim)
     scale = head_dim**-0.5
-    out = tree_attention(q, k, v, k_cache, v_cache, meta, scale)
+    out = attention(q, k, v, k_cache, v_cache, meta, scale)
 
     start = 0
     for (ctx, tree), table in zip(requests, tables, strict=True):

@@ -212,14 +212,15 @@ def test_compaction_matches_reference_across_requests_and_layers():
 # -- dispatch ------------------------------------------------------------------------------
 
 
-def test_cpu_tensors_take_the_reference_unless_triton_is_forced(monkeypatch):
+def test_cpu_tensors_take_the_cpu_kernels_unless_triton_is_forced(monkeypatch):
     monkeypatch.delenv("SPECSERVE_ATTENTION", raising=False)
-    assert ops.backend(torch.device("cpu")) == "reference"
+    assert ops.backend(torch.device("cpu")) == "cpu"  # fp32: the C++ kernel
+    assert ops.backend(torch.device("cpu"), torch.bfloat16) == "reference"
     assert ops.backend(torch.device("cuda")) == "triton"
     monkeypatch.setenv("SPECSERVE_ATTENTION", "triton")
     assert ops.backend(torch.device("cpu")) == "triton"
     monkeypatch.setenv("SPECSERVE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="triton, reference"):
+    with pytest.raises(ValueError, match="triton, cpu, reference"):
         ops.backend(torch.device("cpu"))
 
 

@@ -25,17 +25,18 @@ def spec_bench_prompts() -> list[str]:
 
 
 def make_engine(path, **options) -> LLMEngine:
-    return LLMEngine(path, dtype="float32", config=EngineConfig(**options))
+    """The GGUF's exact fp32 weights: what transformers computes too."""
+    return LLMEngine(path, dtype="float32", config=EngineConfig(**{"quantization": "none", **options}))
 
 
 @pytest.fixture(scope="module")
 def prompts_and_reference(smollm2_path):
     """Chat-formatted prompt ids, and what transformers generates for each alone (greedy, fp32)."""
-    from transformers import AutoModelForCausalLM
+    from specserve.models.loader import load_transformers
 
     engine = make_engine(smollm2_path, kv_cache_memory="16MiB")
     prompt_ids = [engine.encode(p, chat=True) for p in spec_bench_prompts()]
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+    hf = load_transformers(smollm2_path, torch.float32)
     reference = []
     for ids in prompt_ids:
         out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,

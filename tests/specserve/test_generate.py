@@ -24,9 +24,9 @@ def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_cli_greedy_output_equals_transformers_generate(smollm2_path):
-    from transformers import AutoModelForCausalLM
+    from specserve.models.loader import load_transformers
 
-    result = run_cli("generate", PROMPT, "--json", "--max-tokens", "24", "--dtype", "float32")
+    result = run_cli("generate", PROMPT, "--json", "--max-tokens", "24", "--dtype", "float32", "--quantization", "none")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     tokenizer = load_tokenizer(smollm2_path)
@@ -34,7 +34,7 @@ def test_cli_greedy_output_equals_transformers_generate(smollm2_path):
                                          add_generation_prompt=True)
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     assert out["prompt_tokens"] == len(prompt_ids)
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+    hf = load_transformers(smollm2_path, torch.float32)
     theirs = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)[0, len(prompt_ids):]
     assert out["token_ids"] == theirs.tolist()
 

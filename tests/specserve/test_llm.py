@@ -15,7 +15,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of th
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(target=str(smollm2_path), dtype="float32", kv_cache_memory="128MiB")
+    return LLM(target=str(smollm2_path), dtype="float32", quantization="none", kv_cache_memory="128MiB")
 
 
 def test_generate_returns_one_finished_result_per_prompt_in_order(llm):
@@ -69,9 +69,9 @@ def test_logprobs_are_the_models_own(llm, smollm2_path):
         assert max(entry.top_logprobs.values()) == pytest.approx(entry.logprob, abs=1e-5)  # greedy picks the top
     assert completion.cumulative_logprob == pytest.approx(sum(e.logprob for e in completion.logprobs))
     # the first token's logprob equals a direct forward through transformers
-    from transformers import AutoModelForCausalLM
+    from specserve.models.loader import load_transformers
 
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32)
+    hf = load_transformers(smollm2_path, torch.float32)
     logits = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
     expected = torch.log_softmax(logits, -1)[completion.token_ids[0]].item()
     assert completion.logprobs[0].logprob == pytest.approx(expected, abs=1e-4)

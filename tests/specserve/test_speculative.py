@@ -138,7 +138,7 @@ def test_greedy_chain_speculation_equals_plain_decoding_in_bf16_too(smollm2_path
     chosen = [prompts[i] for i, c in enumerate(categories) if c not in categories[:i]]  # one per category
     engine = LLMEngine(smollm2_path, dtype="bfloat16",
                        config=EngineConfig(speculation="fixed", draft="ngram+feature", kv_cache_memory="256MiB",
-                                         enable_prefix_caching=False))
+                                         enable_prefix_caching=False, quantization="none"))
     variant = row_variant_projection(engine.model, step_sizes=range(2, 10))
     if variant is not None:
         pytest.skip(f"this CPU's bf16 matmul ({processor_name()}) rounds a row of {variant} differently than "

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
-from specserve.models.loader import load_model
-from specserve.pull import GGUF_FILE
+from specserve.models.loader import load_model, load_transformers
 from specserve.tree import TokenTree
 
 BRANCHING = (-1, 0, 0, 1, 1, 2, 3, 3, 5)  # a root with two subtrees of uneven depth
@@ -23,10 +21,8 @@ class Comparison:
     """Runs the same token sequences through our model and transformers, collecting logits."""
 
     def __init__(self, path, dtype: torch.dtype, block_size: int = 16):
-        self.ours = load_model(path, dtype)
-        # A pulled model is served from its GGUF: transformers dequantizes the same file.
-        gguf = {"gguf_file": GGUF_FILE} if (path / GGUF_FILE).exists() else {}
-        self.theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **gguf).eval()
+        self.ours = load_model(path, dtype, quantization="none")  # the weights transformers dequantizes
+        self.theirs = load_transformers(path, dtype)
         blocks = 64
         self.runner = ModelRunner(self.ours, KVCache.for_model(self.ours.config, blocks, block_size, dtype))
         self.table = list(reversed(range(blocks)))  # non-contiguous on purpose
@@ -189,7 +185,7 @@ def test_hidden_states_are_what_each_layer_takes_in_and_the_final_normed_states(
     head sees: drafter heads train on and draft from them."""
     path = tiny_checkpoint("llama")
     ours = load_model(path, torch.float32)
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    theirs = load_transformers(path, torch.float32)
     runner = ModelRunner(ours, KVCache.for_model(ours.config, 8, 4, torch.float32))
     ids = list(range(3, 20))
     last = ours.config.num_layers

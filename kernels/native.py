@@ -1,9 +1,13 @@
-"""Matmuls over GGUF-style quantized blocks on the CPU: our C++ kernel, built for this machine.
+"""Our C++ CPU kernels, built for this machine on first use.
 
-`block_matmul(x, codes, scale, min, bits, group)` computes `x @ W.T` with `W = scale * codes + min`
-per group of `group` inputs (see `kernels/cpu/block_matmul.cpp`). The kernel is compiled once
-per CPU (`-march=native`: AVX-512 VNNI, AVX2 or portable C++) the first time it is needed and
-cached under the specserve cache directory; later starts only load it.
+* `block_matmul(x, codes, scale, min, bits, group)`: `x @ W.T` with `W = scale * codes + min` per
+  group of `group` inputs, GGUF's quantized blocks as stored (`kernels/cpu/block_matmul.cpp`).
+* `tree_attention(...)`: fp32 attention over the paged cache, each query row over exactly its
+  visible keys (`kernels/cpu/tree_attention.cpp`).
+
+Both compute each row as if it were alone in the step. They are compiled once per CPU
+(`-march=native`: AVX-512 VNNI, AVX2 or portable C++) and cached under the specserve cache
+directory; later starts only load them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "cpu" / "block_matmul.cpp"
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("block_matmul.cpp", "tree_attention.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -35,7 +39,7 @@ def _cpu_key() -> str:
     except OSError:
         pass
     digest = hashlib.sha256()
-    for part in (flags, SOURCE.read_text(), torch.__version__, sys.version):
+    for part in (flags, *(s.read_text() for s in SOURCES), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -43,14 +47,14 @@ def _cpu_key() -> str:
 def _build_dir() -> Path:
     from specserve.pull import cache_dir  # the kernel lives beside the models and cost curves
 
-    path = cache_dir() / "kernels" / f"block_matmul-{_cpu_key()}"
+    path = cache_dir() / "kernels" / f"cpu-{_cpu_key()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 @cache
 def load() -> None:
-    """Build (once per CPU) and load the kernel, registering `torch.ops.specserve_cpu`."""
+    """Build (once per CPU) and load the kernels, registering `torch.ops.specserve_cpu`."""
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
@@ -59,16 +63,16 @@ def load() -> None:
     cflags = ["-O3", "-march=native", "-fopenmp"]
     try:
         cpp_extension.load(
-            name="specserve_block_matmul", sources=[str(SOURCE)], extra_cflags=cflags,
+            name="specserve_cpu", sources=[str(s) for s in SOURCES], extra_cflags=cflags,
             extra_ldflags=["-fopenmp"], build_directory=str(_build_dir()), is_python_module=False,
             verbose=os.environ.get("SPECSERVE_VERBOSE_BUILD") == "1",
         )
     except (RuntimeError, OSError, ImportError) as e:
         raise KernelBuildError(
-            f"could not build the quantized CPU kernel ({e}). It needs a C++ compiler (g++) and ninja "
+            f"could not build specserve's CPU kernels ({e}). It needs a C++ compiler (g++) and ninja "
             f"(`pip install ninja`); or serve unquantized weights with --quantization none"
         ) from e
-    log.info("quantized CPU kernel ready (%s) in %.1f s", torch.ops.specserve_cpu.isa(), time.perf_counter() - start)
+    log.info("CPU kernels ready (%s) in %.1f s", torch.ops.specserve_cpu.isa(), time.perf_counter() - start)
 
 
 def isa() -> str:
@@ -82,3 +86,12 @@ def block_matmul(
 ) -> torch.Tensor:
     load()
     return torch.ops.specserve_cpu.block_matmul(x, codes, scale, min, bits, group)
+
+
+def tree_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor, block_tables: torch.Tensor, ancestor_mask: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    load()
+    return torch.ops.specserve_cpu.tree_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables,
+                                                  ancestor_mask, scale)

@@ -1,0 +1,56 @@
+"""The C++ CPU attention: the reference's semantics, and each row computed as if alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import cpu_attention, ops
+from kernels.metadata import AttentionMetadata
+from specserve.tree import TokenTree
+from tests.kernels.test_reference import check_against_dense, make_case, paged_cache, random_tree
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (4, 1)])
+def test_matches_dense_attention(seed, block_size, heads, kv_heads):
+    rng = random.Random(seed * 1000 + block_size)
+    shapes = [rng.choice(["chain", "single", "random", "deep"]) for _ in range(rng.randrange(1, 5))]
+    case = make_case(rng, block_size, heads, kv_heads, 64, shapes, torch.float32)
+    check_against_dense(*case, block_size, heads, attention=cpu_attention.tree_attention)
+
+
+def attend(trees, contexts, tables, k_cache, v_cache, q, block_size=4):
+    meta = AttentionMetadata.build(trees, contexts, tables, block_size)
+    return cpu_attention.paged_tree_attention(q, k_cache, v_cache, meta, 0.125)
+
+
+def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_alone():
+    """Node 4 of a tree (ancestors 0, 1) sees the keys a decode of it sees after 0 and 1 were
+    accepted: its output must be identical, whatever else the step holds."""
+    rng = random.Random(3)
+    tree = TokenTree((1, 2, 3, 4, 5, 6), (-1, 0, 0, 1, 1, 2))  # node 4's path: 0 -> 1 -> 4
+    context = 37
+    requests = [(context, tree), (50, random_tree(rng, 7, "random")), (9, TokenTree.single(1))]
+    tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, 64, torch.float32)
+    q = torch.randn(sum(len(t) for _, t in requests), 8, 64)
+    in_tree = attend([t for _, t in requests], [c for c, _ in requests], tables, k_cache, v_cache, q)[4]
+    # The same keys laid out as plain decoding would have them: nodes 0 and 1 accepted, then node 4.
+    flat_k, flat_v = k_cache.view(-1, 2, 64), v_cache.view(-1, 2, 64)
+    slots = [tables[0][p // 4] * 4 + p % 4 for p in range(context + 6)]
+    path = slots[:context] + [slots[context + 0], slots[context + 1], slots[context + 4]]
+    alone_k, alone_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    alone_k.view(-1, 2, 64)[: len(path)] = flat_k[path]
+    alone_v.view(-1, 2, 64)[: len(path)] = flat_v[path]
+    table = list(range(-(-len(path) // 4)))
+    alone = attend([TokenTree.single(5)], [len(path) - 1], [table], alone_k, alone_v, q[4:5])[0]
+    assert torch.equal(in_tree, alone)
+
+
+def test_fp32_cpu_tensors_take_this_kernel_and_bf16_the_reference(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_ATTENTION", raising=False)
+    assert ops.backend(torch.device("cpu"), torch.float32) == "cpu"
+    assert ops.backend(torch.device("cpu"), torch.bfloat16) == "reference"
