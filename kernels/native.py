@@ -30,7 +30,8 @@ class KernelBuildError(RuntimeError):
     """The C++ kernel could not be built here; the message says what is missing."""
 
 
-def _cpu_key() -> str:
+@cache
+def build_key() -> str:
     """What the compiled code depends on: the CPU's instruction sets, the source, torch."""
     flags = ""
     try:
@@ -47,7 +48,7 @@ def _cpu_key() -> str:
 def _build_dir() -> Path:
     from specserve.pull import cache_dir  # the kernel lives beside the models and cost curves
 
-    path = cache_dir() / "kernels" / f"cpu-{_cpu_key()}"
+    path = cache_dir() / "kernels" / f"cpu-{build_key()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

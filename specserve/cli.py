@@ -248,11 +248,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"default {DEFAULT_KV_CACHE_MEMORY}")
     p.add_argument("--quantization", choices=["auto", "none"], default=None,
                    help="auto (default): a GGUF model (every known model) serves its own quantized blocks with "
-                        "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp); "
-                        "none: plain weights, a GGUF's dequantized exactly")
+                        "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp; in float32: "
+                        "with --dtype bfloat16 the weights are plain); none: plain weights, a GGUF's dequantized exactly")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: bfloat16 where the CPU supports it, else float32 (quantized GGUF weights "
-                        "always compute in float32)")
+                   help="default: float32 for a GGUF's quantized blocks; otherwise bfloat16 where the CPU "
+                        "supports it, else float32")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running per step at most (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

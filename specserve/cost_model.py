@@ -386,14 +386,17 @@ def load_or_measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, 
 
 
 def _cache_file(runner: ModelRunner, model_path: Path, max_tokens: int, cache: Path | None) -> Path:
-    from specserve.pull import cache_dir
+    from kernels import native
+    from specserve.machine import processor_name
+    from specserve.pull import GGUF_FILE, cache_dir
 
-    weights = sorted(Path(model_path).glob("*.safetensors"))
+    weights = sorted(Path(model_path).glob("*.safetensors")) + sorted(Path(model_path).glob(GGUF_FILE))
     key = json.dumps({
         "model": str(Path(model_path).resolve()),
         "weights": [(w.name, w.stat().st_size, int(w.stat().st_mtime)) for w in weights],
+        "format": runner.model.weight_format(), "kernels": native.build_key(),
         "dtype": str(runner.model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "processor": processor_name(), "cpus": os.cpu_count(),
         "block_size": runner.block_size, "max_tokens": max_tokens, "sizes": calibration_sizes(max_tokens),
     }, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

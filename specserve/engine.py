@@ -125,9 +125,27 @@ class LLMEngine:
         # collections walk only what serving allocates.
         gc.collect()
         gc.freeze()
+        self.info = self._describe()
+        logger.info("serving %s on %s: %s weights, %s activations, kernels %s, drafter %s", self.model_path.name,
+                    self.info["cpu"], self.info["weights"], self.info["dtype"], self.info["kernels"],
+                    self.info["drafter"])
         logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s); max_model_len %d", num_blocks,
                     block_size, self.num_kv_tokens, num_blocks * per_block / 2**20, self.model.dtype,
                     self.max_model_len)
+
+    def _describe(self) -> dict[str, str]:
+        """What this engine runs on and with: the CPU, dtype, weight format, kernels, default drafter."""
+        from kernels import native, ops
+        from specserve.machine import processor_name
+
+        weights = self.model.weight_format()
+        attention = ops.backend(torch.device("cpu"), self.model.dtype)
+        ours = weights.startswith("GGUF") or attention == "cpu"
+        kernels = f"specserve-cpu {native.isa()}" if ours else "torch"
+        if ours and not weights.startswith("GGUF"):
+            kernels += " (attention), torch (matmuls)"
+        return {"cpu": processor_name(), "dtype": str(self.model.dtype).removeprefix("torch."), "weights": weights,
+                "kernels": kernels, "drafter": self.config.draft}
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -233,6 +251,7 @@ class LLMEngine:
         plain: list[tuple[ScheduledSequence, torch.Tensor]] = []
         speculated: list[tuple[ScheduledSequence, Draft, ForwardResult]] = []
         for s, result in zip(plan.scheduled, results, strict=True):
+            s.seq.spec.target_forwards += 1
             draft = drafts.get(s.seq.seq_id)
             if draft is None:
                 if result.hidden and s.seq.drafter is not None:  # every row is committed: a chunk or a decode

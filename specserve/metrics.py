@@ -84,6 +84,10 @@ class ServerMetrics:
             else:
                 lines.append(f"{full} {samples}")
 
+        escape = lambda v: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")  # noqa: E731
+        labels = ",".join(f'{key}="{escape(value)}"' for key, value in engine.info.items())
+        metric("engine_info", "gauge", "What the engine runs: CPU, dtype, weight format, kernels, default drafter.",
+               [f"{{{labels}}} 1"])
         metric("num_requests_running", "gauge", "Sequences running in the engine.", len(scheduler.running))
         metric("num_requests_waiting", "gauge", "Sequences waiting to run.", len(scheduler.waiting))
         metric("kv_cache_usage_perc", "gauge", "Share of KV blocks held by requests (1 = all).",

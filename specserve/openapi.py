@@ -26,8 +26,8 @@ USAGE = {
     "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
                    "total_tokens": {"type": "integer"},
                    "speculation": {"type": "object", "properties": {
-                       "target_forwards": {"type": "integer"}, "drafted_tokens": {"type": "integer"},
-                       "accepted_tokens": {"type": "integer"}}}},
+                       "target_forwards": {"type": "integer"}, "verify_forwards": {"type": "integer"},
+                       "drafted_tokens": {"type": "integer"}, "accepted_tokens": {"type": "integer"}}}},
 }
 FINISH_REASON = {"enum": ["stop", "length", "abort", None]}
 

@@ -177,8 +177,8 @@ def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "speculation": {"target_forwards": spec.verify_steps, "drafted_tokens": spec.drafted_tokens,
-                        "accepted_tokens": spec.accepted_tokens},
+        "speculation": {"target_forwards": spec.target_forwards, "verify_forwards": spec.verify_steps,
+                        "drafted_tokens": spec.drafted_tokens, "accepted_tokens": spec.accepted_tokens},
     }
 
 

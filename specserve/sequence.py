@@ -38,6 +38,7 @@ class TokenLogprob:
 class SpecStats:
     """Speculation counters of one sequence (summed over samples in a request's metrics)."""
 
+    target_forwards: int = 0  # every target forward the sequence took part in: prompt chunks, decodes, trees
     verify_steps: int = 0  # target forwards that verified a drafted tree
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # drafted tokens the target accepted (bonus tokens not counted)
@@ -53,6 +54,7 @@ class SpecStats:
             self.accepted_at_depth[depth] += 1
 
     def add(self, other: SpecStats) -> None:
+        self.target_forwards += other.target_forwards
         self.verify_steps += other.verify_steps
         self.drafted_tokens += other.drafted_tokens
         self.accepted_tokens += other.accepted_tokens

@@ -114,6 +114,11 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
+    def weight_format(self) -> str:
+        """What the projections hold: "GGUF blocks Q4_1, Q8_0" or "plain float32" (for logs and /metrics)."""
+        kinds = sorted({w.source_type for m in self.modules() if isinstance(m, Projection) for w in m.quantized})
+        return f"GGUF blocks {', '.join(kinds)}" if kinds else f"plain {str(self.dtype).removeprefix('torch.')}"
+
     def init_rotary(self) -> None:
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype)

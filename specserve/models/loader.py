@@ -138,7 +138,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
     if (path / GGUF_FILE).exists():
-        return load_gguf(path / GGUF_FILE, config, dtype, quantized=quantization == "auto")
+        # Quantized blocks compute in fp32: a model asked for in another dtype gets plain weights.
+        fp32 = dtype in (None, "auto") or parse_dtype(dtype) == torch.float32
+        return load_gguf(path / GGUF_FILE, config, dtype, quantized=quantization == "auto" and fp32)
     dtype = parse_dtype(dtype)
     # Packed mode maps the checkpoint instead of reading it: its plain weights stay file-backed.
     pack = packing_available(dtype) and _checkpoint_dtypes(path) == {dtype}

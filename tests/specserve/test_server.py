@@ -112,7 +112,12 @@ def test_a_completion_reports_its_usage_with_what_speculation_did(server):
     usage = out.usage.model_dump()
     assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] <= 12
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert set(usage["speculation"]) == {"target_forwards", "drafted_tokens", "accepted_tokens"}
+    spec = usage["speculation"]
+    assert set(spec) == {"target_forwards", "verify_forwards", "drafted_tokens", "accepted_tokens"}
+    # every forward the request took part in counts (its prompt's, its decodes', its trees'), and
+    # each emits at most one token besides the drafted ones it accepts
+    assert spec["target_forwards"] >= max(1, spec["verify_forwards"])
+    assert usage["completion_tokens"] <= spec["target_forwards"] + spec["accepted_tokens"]
 
 
 def test_streamed_text_assembled_from_chunks_equals_the_non_streamed_text(server):
@@ -222,6 +227,10 @@ def test_metrics_count_requests_latencies_and_speculation_in_prometheus_format(s
                  "spec_decode_num_accepted_tokens"):
         assert f"specserve:{name}" in text
     assert "# TYPE specserve:time_to_first_token_seconds histogram" in text
+    # what runs: the tiny model's plain fp32 weights, our fp32 attention kernel, its drafter
+    info = next(line for line in text.splitlines() if line.startswith("specserve:engine_info{"))
+    assert 'dtype="float32"' in info and 'weights="plain float32"' in info and 'drafter="ngram"' in info
+    assert 'kernels="specserve-cpu ' in info and 'cpu="' in info and info.endswith("} 1")
 
 
 # -- errors, by raw HTTP ----------------------------------------------------------------------------

@@ -70,3 +70,110 @@ def test_unpermuting_inverts_llama_cpp_rotary_interleave():
     # llama.cpp's converter: w.reshape(heads, 2, dim // 2).swapaxes(1, 2)
     gguf_order = hf.view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
     assert torch.equal(gguf_order[unpermute_order(rows, heads)], hf)
+
+
+# -- a whole model from a GGUF file ---------------------------------------------------------------
+
+# What each tensor is written as: mixed formats on purpose (v in Q4_0 among q/k in Q4_1: the fused
+# q/k/v projection then runs its blocks apart), the head and embeddings in Q8_0 as SmolLM2 ships.
+GGUF_TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1",
+              "ffn_up": "Q4_1", "ffn_down": "Q4_0", "token_embd": "Q8_0", "output": "Q8_0"}
+
+
+def write_gguf(hf_dir, path):
+    """The checkpoint in `hf_dir` as llama.cpp's converter writes it: GGUF names, q/k rows
+    interleaved for its rotary layout, projections quantized, norms in F32."""
+    import json
+
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    from specserve.models.gguf import GLOBAL_NAMES, LAYER_NAMES
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    to_gguf = {v: k for k, v in {**LAYER_NAMES, **GLOBAL_NAMES}.items()}  # names tested above
+    writer = GGUFWriter(str(path), "llama")
+    for name, tensor in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
+        short, kind = name.removeprefix("model.").rsplit(".", 1)
+        if short.startswith("layers."):
+            _, layer, module = short.split(".", 2)
+            part = to_gguf[module]
+            gguf_name = f"blk.{layer}.{part}.{kind}"
+        else:
+            part = to_gguf[short]
+            gguf_name = f"{part}.{kind}"
+        array = tensor.float().numpy()
+        if part in heads:  # llama.cpp: w.reshape(heads, 2, rows // heads // 2, ...).swapaxes(1, 2)
+            rows = array.shape[0]
+            array = array.reshape(heads[part], 2, rows // heads[part] // 2, -1).swapaxes(1, 2).reshape(array.shape)
+        if part in GGUF_TYPES and kind == "weight":
+            kind_type = GGMLQuantizationType[GGUF_TYPES[part]]
+            writer.add_tensor(gguf_name, quantize(array, kind_type), raw_dtype=kind_type)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def gguf_model(tiny_checkpoint):
+    from specserve.pull import GGUF_FILE
+
+    directory = tiny_checkpoint("llama", seed=3, tie_word_embeddings=False)
+    write_gguf(directory, directory / GGUF_FILE)
+    return directory
+
+
+def test_every_weight_is_the_files_own_dequantized_exactly(gguf_model):
+    from gguf import GGUFReader
+
+    from specserve.models.gguf import dequantized
+    from specserve.models.loader import load_model
+    from specserve.pull import GGUF_FILE
+
+    model = load_model(gguf_model, torch.float32, quantization="none")
+    tensors = {t.name: t for t in GGUFReader(gguf_model / GGUF_FILE).tensors}
+    q_rows = unpermute_order(64, 4)  # 4 heads of 16: back to Hugging Face's order
+    attn = model.layers[1].self_attn
+    assert torch.equal(attn.qkv_proj.blocks[0], dequantized(tensors["blk.1.attn_q.weight"])[q_rows])
+    assert torch.equal(attn.qkv_proj.blocks[2], dequantized(tensors["blk.1.attn_v.weight"]))
+    assert torch.equal(model.layers[0].mlp.down_proj.blocks[0], dequantized(tensors["blk.0.ffn_down.weight"]))
+    assert torch.equal(model.embed_tokens.weight, dequantized(tensors["token_embd.weight"]))
+    assert torch.equal(model.norm.weight, dequantized(tensors["output_norm.weight"]))
+
+
+def run_chain_and_decodes(model, prompt: list[int], new: list[int]):
+    """Logits of `new` verified as one chain, and decoded one token at a time."""
+    from specserve.kv_cache import KVCache
+    from specserve.model_runner import ModelRunner, TreeRequest
+    from specserve.tree import TokenTree
+
+    def runner():
+        run = ModelRunner(model, KVCache.for_model(model.config, 8, 16, model.dtype))
+        run.forward([TreeRequest(TokenTree.chain(prompt), 0, list(range(8)))])
+        return run
+
+    chain = runner().forward([TreeRequest(TokenTree.chain(new), len(prompt), list(range(8)))])[0].logits
+    alone, decoder = [], runner()
+    for i, token in enumerate(new):
+        step = TreeRequest(TokenTree.single(token), len(prompt) + i, list(range(8)))
+        alone.append(decoder.forward([step])[0].logits[-1])
+    return chain, torch.stack(alone)
+
+
+def test_the_quantized_model_verifies_a_chain_with_the_bits_of_its_decodes(gguf_model):
+    """Greedy speculation is exact against the model as served: every row as if alone."""
+    from specserve.models.loader import load_model
+
+    model = load_model(gguf_model)  # auto: the file's blocks
+    assert model.weight_format() == "GGUF blocks Q4_0, Q4_1, Q8_0"
+    chain, alone = run_chain_and_decodes(model, [5, 9, 2, 7, 1], [3, 8, 8, 4, 6, 2, 1, 9])
+    assert torch.equal(chain, alone)
+    exact, _ = run_chain_and_decodes(load_model(gguf_model, torch.float32, "none"), [5, 9, 2, 7, 1],
+                                     [3, 8, 8, 4, 6, 2, 1, 9])
+    # int8 activations are the only difference from the exact weights' model
+    assert (chain - exact).norm() / exact.norm() < 0.05
