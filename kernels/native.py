@@ -4,6 +4,7 @@
   group of `group` inputs, GGUF's quantized blocks as stored (`kernels/cpu/block_matmul.cpp`).
 * `tree_attention(...)`: fp32 attention over the paged cache, each query row over exactly its
   visible keys (`kernels/cpu/tree_attention.cpp`).
+* `rms_norm(x, weight, eps)`: fp32 RMSNorm in one pass (`kernels/cpu/rms_norm.cpp`).
 
 Both compute each row as if it were alone in the step. They are compiled once per CPU
 (`-march=native`: AVX-512 VNNI, AVX2 or portable C++) and cached under the specserve cache
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("block_matmul.cpp", "tree_attention.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("block_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -96,3 +97,8 @@ def tree_attention(
     load()
     return torch.ops.specserve_cpu.tree_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables,
                                                   ancestor_mask, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    load()
+    return torch.ops.specserve_cpu.rms_norm(x, weight, eps)

@@ -249,7 +249,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["auto", "none"], default=None,
                    help="auto (default): a GGUF model (every known model) serves its own quantized blocks with "
                         "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp; in float32: "
-                        "with --dtype bfloat16 the weights are plain); none: plain weights, a GGUF's dequantized exactly")
+                        "with --dtype bfloat16 the weights are plain); none: plain weights, a GGUF's "
+                        "dequantized exactly")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 for a GGUF's quantized blocks; otherwise bfloat16 where the CPU "
                         "supports it, else float32")

@@ -192,13 +192,15 @@ void output_rows_wide(const uint8_t* codes, const float* scale, const float* min
     }
   }
   for (int r = 0; r < R; ++r) {
-    __m512 macc = _mm512_setzero_ps();
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16)
-      macc = _mm512_fmadd_ps(_mm512_loadu_ps(min + g), _mm512_loadu_ps(xsums + r * groups + g), macc);
-    float tail = 0.f;
-    for (; g < groups; ++g) tail = std::fma(min[g], xsums[r * groups + g], tail);
-    y[r * ldy] = _mm512_reduce_add_ps(acc[r]) + (_mm512_reduce_add_ps(macc) + tail);
+    // The minimums' share (sum over groups of min * activation sums) joins the same lanes, the
+    // last partial vector masked: one reduction per output, no scalar tail.
+    __m512 total = acc[r];
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 live = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+      total = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, min + g), _mm512_maskz_loadu_ps(live, xsums + r * groups + g),
+                              total);
+    }
+    y[r * ldy] = _mm512_reduce_add_ps(total);
   }
 }
 #else
