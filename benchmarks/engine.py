@@ -8,7 +8,7 @@
     prompts, N tokens each): generated tokens / wall time, and the ratio to C = 1.
 (c) Per-request TTFT and TPOT percentiles at each concurrency.
 
-    python benchmarks/engine.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--repeats 3]
+    python benchmarks/engine.py [--model smollm2-135m-instruct] [--quantization auto] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -116,7 +116,10 @@ def batch1_decode(engine: LLMEngine, hf, prompt: list[int], max_tokens: int, rep
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                        help="auto: a GGUF's own blocks (fp32 activations); none: plain weights in --dtype")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                        help="default: float32 (transformers too); bfloat16 serves plain weights")
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -130,8 +133,9 @@ def main() -> None:
 
     path = resolve_model(args.model)
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = LLMEngine(path, args.dtype, EngineConfig(max_num_seqs=max(levels), kv_cache_memory="2GiB"))
-    hf = load_transformers(path, getattr(torch, args.dtype))
+    engine = LLMEngine(path, args.dtype, EngineConfig(max_num_seqs=max(levels), kv_cache_memory="2GiB",
+                                                      quantization=args.quantization))
+    hf = load_transformers(path, getattr(torch, args.dtype or "float32"))
     prompts = load_prompts(engine, args.questions, max(levels), args.max_prompt_tokens)
 
     # Warm-up: every batch shape the runs below will see, both engines.
@@ -154,7 +158,8 @@ def main() -> None:
         concurrency[c]["vs_batch1"] = concurrency[c]["tokens_per_s"] / base
 
     result = {
-        "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "model": args.model, "dtype": str(engine.model.dtype), "weights": engine.info["weights"],
+        "kernels": engine.info["kernels"], "max_tokens": args.max_tokens, "repeats": args.repeats,
         "prompt_tokens": [len(p) for p in prompts], "threads": torch.get_num_threads(),
         "machine": processor_name(), "batch1_decode": decode,
         "concurrency": {str(c): v for c, v in concurrency.items()},
@@ -167,7 +172,9 @@ def main() -> None:
     ] for c, v in concurrency.items()]
     t = decode["tokens_per_s"]
     caption = (
-        f"Engine on {args.model} ({args.dtype}, {torch.get_num_threads()} threads), {args.max_tokens} greedy tokens "
+        f"Engine on {args.model} ({engine.info['weights']}, {engine.info['dtype']} activations, kernels "
+        f"{engine.info['kernels']}, {processor_name()}, {torch.get_num_threads()} threads), "
+        f"{args.max_tokens} greedy tokens "
         f"per request, Spec-Bench prompts of {min(result['prompt_tokens'])}-{max(result['prompt_tokens'])} tokens, "
         f"median of {args.repeats}.\n\nBatch-1 decode: specserve {t['specserve']:.1f} tok/s vs transformers.generate "
         f"{t['transformers']:.1f} tok/s = **{decode['speedup']:.2f}x**.\n\nAggregate throughput, all requests "
