@@ -41,7 +41,8 @@ def build_key() -> str:
     except OSError:
         pass
     digest = hashlib.sha256()
-    for part in (flags, *(s.read_text() for s in SOURCES), torch.__version__, sys.version):
+    sources = [*SOURCES, SOURCES[0].parent / "fixed_order.h"]
+    for part in (flags, *(s.read_text() for s in sources), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 

@@ -7,9 +7,9 @@
 
 #include <cmath>
 
-namespace {
+#include "fixed_order.h"
 
-constexpr int kLanes = 16;
+namespace {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
@@ -23,14 +23,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * width;
-      float lanes[kLanes] = {0};
-      int64_t d = 0;
-      for (; d + kLanes <= width; d += kLanes)
-        for (int j = 0; j < kLanes; ++j) lanes[j] = std::fma(row[d + j], row[d + j], lanes[j]);
-      for (int j = 0; d < width; ++d, ++j) lanes[j] = std::fma(row[d], row[d], lanes[j]);
-      for (int half = kLanes / 2; half > 0; half /= 2)
-        for (int j = 0; j < half; ++j) lanes[j] += lanes[j + half];
-      const float inverse = 1.f / std::sqrt(lanes[0] / static_cast<float>(width) + static_cast<float>(eps));
+      const float squares = specserve::fixed_order_dot(row, row, width);
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
       float* out = yp + r * width;
       for (int64_t i = 0; i < width; ++i) out[i] = wp[i] * (row[i] * inverse);
     }

@@ -17,20 +17,9 @@
 #include <limits>
 #include <vector>
 
+#include "fixed_order.h"
+
 namespace {
-
-constexpr int kLanes = 16;  // partial sums per dot product, reduced in a fixed order
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {0};
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (int j = 0; j < kLanes; ++j) lanes[j] = std::fma(a[d + j], b[d + j], lanes[j]);
-  for (int j = 0; d < n; ++d, ++j) lanes[j] = std::fma(a[d], b[d], lanes[j]);
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-  return lanes[0];
-}
 
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -84,7 +73,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
       scores.resize(slots.size());
       float best = -std::numeric_limits<float>::infinity();
       for (size_t i = 0; i < slots.size(); ++i) {
-        scores[i] = dot(qrow, kp + (slots[i] * Hkv + kv_head) * D, D) * fscale;
+        scores[i] = specserve::fixed_order_dot(qrow, kp + (slots[i] * Hkv + kv_head) * D, D) * fscale;
         best = std::max(best, scores[i]);
       }
       float* orow = op + (t * Hq + h) * D;
