@@ -108,8 +108,9 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
     model_dir = resolve_model(target)
     name = Path(model_dir).name
     work = work_dir or cache_dir() / "train" / name
+    # Plain weights: a head starts from the target's own layer weights (specserve/training/heads.py).
     engine = LLMEngine(model_dir, dtype, EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024,
-                                                      speculation="off"))
+                                                      speculation="off", quantization="none"))
     model = engine.model
     layer = settings.layer if settings.layer is not None else model.config.num_layers // 4
     if settings.kind == "early-exit" and not 0 < layer < model.config.num_layers:
