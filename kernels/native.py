@@ -5,8 +5,10 @@
 * `tree_attention(...)`: fp32 attention over the paged cache, each query row over exactly its
   visible keys (`kernels/cpu/tree_attention.cpp`).
 * `rms_norm(x, weight, eps)`: fp32 RMSNorm in one pass (`kernels/cpu/rms_norm.cpp`).
+* `rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)`: rotary q and k
+  out of the fused projection, k and v written to their cache slots (`kernels/cpu/rope_kv.cpp`).
 
-Both compute each row as if it were alone in the step. They are compiled once per CPU
+All compute each row as if it were alone in the step. They are compiled once per CPU
 (`-march=native`: AVX-512 VNNI, AVX2 or portable C++) and cached under the specserve cache
 directory; later starts only load them. `SPECSERVE_CPU_MARCH=haswell` (any gcc `-march`) builds
 for another instruction set instead: how the tests check the AVX2 and portable paths on a CPU
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("block_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name
+           for name in ("block_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -37,9 +40,15 @@ def _march() -> str:
     return os.environ.get("SPECSERVE_CPU_MARCH", "native")
 
 
+def _cflags() -> list[str]:
+    # No contraction into fused multiply-adds: the kernels say where they fuse (rope_kv.cpp must
+    # round like torch's separate products and sums).
+    return ["-O3", f"-march={_march()}", "-fopenmp", "-ffp-contract=off"]
+
+
 @cache
 def build_key() -> str:
-    """What the compiled code depends on: the CPU's instruction sets, the source, torch."""
+    """What the compiled code depends on: the CPU's instruction sets, the flags, the source, torch."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -48,7 +57,7 @@ def build_key() -> str:
         pass
     digest = hashlib.sha256()
     sources = [*SOURCES, SOURCES[0].parent / "fixed_order.h"]
-    for part in (flags, *(s.read_text() for s in sources), torch.__version__, sys.version):
+    for part in (flags, *_cflags(), *(s.read_text() for s in sources), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -69,7 +78,7 @@ def load() -> None:
     start = time.perf_counter()
     # pip puts ninja beside the interpreter; a server started as .venv/bin/specserve lacks it on PATH
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    cflags = ["-O3", f"-march={_march()}", "-fopenmp"]
+    cflags = _cflags()
     try:
         cpp_extension.load(
             name="specserve_cpu", sources=[str(s) for s in SOURCES], extra_cflags=cflags,
@@ -109,3 +118,13 @@ def tree_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     load()
     return torch.ops.specserve_cpu.rms_norm(x, weight, eps)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+) -> torch.Tensor:
+    """The step's queries `[T, heads, head_dim]`, rotated; its keys (rotated) and values written to the cache."""
+    load()
+    return torch.ops.specserve_cpu.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                                                 num_kv_heads)

@@ -105,7 +105,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1 or args.max_queued_requests < 1:
         raise ValueError("--max-body-bytes and --max-queued-requests must be at least 1")
     settings = serve_settings(args)
-    engine = AsyncEngine(LLM(**settings).engine)
+    engine = AsyncEngine(lambda: LLM(**settings).engine)  # built in its loop thread (see AsyncEngine)
     name = args.served_model_name or str(settings["target"])
     app = create_app(engine, ServerSettings(model_name=name, api_key=args.api_key,
                                             max_body_bytes=args.max_body_bytes,

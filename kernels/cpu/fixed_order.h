@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -38,6 +38,52 @@ inline float fixed_order_dot(const float* a, const float* b, int64_t n) {
   for (int width = kLanes / 2; width > 0; width /= 2)
     for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   return lanes[0];
+}
+
+// exp(x) for x <= 0 (softmax weights), in place over n values of a buffer with room for
+// kExpPad - 1 more: every value takes the same instructions, a polynomial (Cephes' expf, about
+// 1 ulp) vectorized, so a weight depends on its score alone, not on where it sits in the
+// buffer. libm's exp, one call per key, was most of a tree's attention time.
+constexpr int64_t kExpPad = 16;
+
+inline float exp_poly(float x) {  // the same steps as the vector paths below, one lane
+  x = std::fmax(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  return std::ldexp(y, static_cast<int>(n));
+}
+
+inline void exp_in_place(float* x, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(-0.693359375f), c2 = _mm256_set1_ps(2.12194440e-4f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_max_ps(_mm256_loadu_ps(x + i), lo);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(k, c1, v);
+    r = _mm256_fmadd_ps(k, c2, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    // 2^k by building the exponent bits (k >= -126 after the clamp: a normal number)
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_poly(x[i]);
+#endif
 }
 
 }  // namespace specserve

@@ -70,17 +70,20 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
       for (int64_t j = 0; j <= node; ++j)
         if (ancestors[j]) slots.push_back(slot_of(context + j));
       const float* qrow = qp + (t * Hq + h) * D;
-      scores.resize(slots.size());
+      const int64_t keys = static_cast<int64_t>(slots.size());
+      scores.resize(keys + specserve::kExpPad);
       float best = -std::numeric_limits<float>::infinity();
-      for (size_t i = 0; i < slots.size(); ++i) {
+      for (int64_t i = 0; i < keys; ++i) {
         scores[i] = specserve::fixed_order_dot(qrow, kp + (slots[i] * Hkv + kv_head) * D, D) * fscale;
         best = std::max(best, scores[i]);
       }
+      for (int64_t i = 0; i < keys; ++i) scores[i] -= best;
+      specserve::exp_in_place(scores.data(), keys);
       float* orow = op + (t * Hq + h) * D;
       std::fill(orow, orow + D, 0.f);
       float total = 0.f;
-      for (size_t i = 0; i < slots.size(); ++i) {
-        const float weight = std::exp(scores[i] - best);
+      for (int64_t i = 0; i < keys; ++i) {
+        const float weight = scores[i];
         total += weight;
         const float* vrow = vp + (slots[i] * Hkv + kv_head) * D;
         for (int64_t d = 0; d < D; ++d) orow[d] = std::fma(weight, vrow[d], orow[d]);

@@ -59,11 +59,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        k_cache, v_cache = kv_cache.layer(self.layer_index)
+        if ops.backend(qkv.device, k_cache.dtype) == "cpu" and qkv.dtype == torch.float32:
+            # one C++ pass: rotary q and k, k and v into their slots (same bits as below)
+            q = native.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                     self.num_kv_heads)
+            out = ops.paged_tree_attention(q, k_cache, v_cache, meta, self.scale)
+            return self.o_proj(out.reshape(tokens, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache.layer(self.layer_index)
         out = ops.tree_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 

@@ -1,0 +1,43 @@
+"""The C++ rotary + K/V write: the torch path's very bits, in one pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native, reference
+from specserve.models.config import RopeConfig
+from specserve.models.rope import RotaryEmbedding, apply_rotary
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE = 9, 3, 64, 6, 16
+
+
+def torch_path(qkv, cos, sin, k_cache, v_cache, slots):
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    tokens = qkv.shape[0]
+    q = apply_rotary(q.view(tokens, HEADS, HEAD_DIM), cos, sin)
+    k = apply_rotary(k.view(tokens, KV_HEADS, HEAD_DIM), cos, sin)
+    reference.write_kv(k, v.view(tokens, KV_HEADS, HEAD_DIM), k_cache, v_cache, slots)
+    return q
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 37])
+def test_equals_the_torch_path_bit_for_bit(tokens):
+    rotary = RotaryEmbedding(RopeConfig(theta=100000.0), HEAD_DIM, 4096, torch.float32)
+    positions = torch.randint(0, 4096, (tokens,))
+    cos, sin = rotary(positions)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM) * 4
+    slots = torch.randperm(BLOCKS * BLOCK_SIZE)[:tokens]
+    caches = [torch.randn(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(2)]
+    mine = [c.clone() for c in caches]
+    expected = torch_path(qkv, cos, sin, *caches, slots)
+    q = native.rope_write_kv(qkv, cos, sin, *mine, slots, HEADS, KV_HEADS)
+    assert torch.equal(q, expected)
+    assert torch.equal(mine[0], caches[0]) and torch.equal(mine[1], caches[1])  # every other slot untouched too
+
+
+def test_a_slot_outside_the_cache_is_refused():
+    cache = torch.zeros(1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    qkv, trig = torch.zeros(1, (HEADS + 2 * KV_HEADS) * HEAD_DIM), torch.ones(1, 1, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.rope_write_kv(qkv, trig, trig, cache, cache.clone(), torch.tensor([BLOCK_SIZE]), HEADS, KV_HEADS)
