@@ -296,10 +296,11 @@ def specserve_offline(suite: Suite, model_dir: Path, texts: list[str], levels: l
     from specserve.sampling import SamplingParams
 
     torch.set_num_threads(THREADS)
-    engine = LLMEngine(model_dir, None, EngineConfig(draft=suite.draft))
-    prompts = [engine.encode(t) for t in texts]
     out = {}
     for speculation in (True, False):
+        # A fresh engine per setting, as each HTTP contender is a fresh server: no prompt cached yet.
+        engine = LLMEngine(model_dir, None, EngineConfig(draft=suite.draft))
+        prompts = [engine.encode(t) for t in texts]
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
                                 **({} if speculation else {"speculation": {"enabled": False}}))
         for c in levels:
@@ -375,10 +376,21 @@ def table(result: dict, levels: list[int]) -> list[list[str]]:
             ratio = (f"{runs['1']['tok_s'] / base['1']['tok_s']:.2f}x"
                      if "1" in runs and "1" in base else "")
             rows.append([suite["suite"], name, *cells, ratio])
-        for setting in ("on", "off"):
-            offline = suite["specserve_offline"]
+        vllm = [runs for name, runs in suite["http"].items() if name.startswith("vLLM") and "error" not in runs]
+        ours = suite["http"].get("specserve", {})
+        if vllm and "error" not in ours:
+            best = {str(c): max(r[str(c)]["tok_s"] for r in vllm) for c in levels if all(str(c) in r for r in vllm)}
+            rows.append([suite["suite"], "specserve / vLLM's best", *[
+                f"{ours[str(c)]['tok_s'] / best[str(c)]:.2f}x" if str(c) in best and str(c) in ours else ""
+                for c in levels], ""])
+        offline = suite["specserve_offline"]
+        for setting, served in (("on", "specserve"), ("off", "specserve, speculation off")):
             cells = [f"{offline[f'{setting}/{c}']['tok_s']:.1f}" if f"{setting}/{c}" in offline else "" for c in levels]
             rows.append([suite["suite"], f"specserve offline, speculation {setting}", *cells, ""])
+            http = suite["http"].get(served, {})
+            ratios = [f"{http[str(c)]['tok_s'] / offline[f'{setting}/{c}']['tok_s']:.2f}x"
+                      if str(c) in http and f"{setting}/{c}" in offline else "" for c in levels]
+            rows.append([suite["suite"], f"HTTP / offline, speculation {setting}", *ratios, ""])
         hf = suite["transformers_generate"]
         if hf and "error" not in hf:
             rows.append([suite["suite"], "transformers generate (offline)",
@@ -420,15 +432,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per client at concurrency > 1")
     parser.add_argument("--rounds-batch1", type=int, default=5, help="requests in a row at concurrency 1")
     parser.add_argument("--out", default=str(RESULTS / "peers"))
+    parser.add_argument("--render", type=Path, default=None, help="only write the table and chart of a saved JSON")
     args = parser.parse_args()
-    SUITES["smollm2"].concurrency = [int(c) for c in args.concurrency.split(",")]
-    suites = [SUITES[name] for name in args.suite.split(",")]
-    result = {"machine": processor_name(), "flags": cpu_flags(), "threads": THREADS, "max_tokens": args.max_tokens,
-              "suites": []}
-    for suite in suites:
-        result["suites"].append(run_suite(suite, args))
-        Path(f"{args.out}.partial.json").write_text(json.dumps(result, indent=2))
-    levels = SUITES["smollm2"].concurrency
+    if args.render:
+        result = json.loads(args.render.read_text())
+    else:
+        SUITES["smollm2"].concurrency = [int(c) for c in args.concurrency.split(",")]
+        result = {"machine": processor_name(), "flags": cpu_flags(), "threads": THREADS,
+                  "max_tokens": args.max_tokens, "suites": []}
+        for suite in (SUITES[name] for name in args.suite.split(",")):
+            result["suites"].append(run_suite(suite, args))
+            Path(f"{args.out}.partial.json").write_text(json.dumps(result, indent=2))
+    levels = max((s["concurrency"] for s in result["suites"]), key=len)
+    args.max_tokens = result["max_tokens"]
     caption = (f"Peers on `{result['machine']}` ({', '.join(result['flags'])}), {THREADS} threads each, one at a "
                f"time, greedy, {args.max_tokens} tokens per request, streaming `/v1/completions` on 127.0.0.1. "
                f"Cells: aggregate generated tok/s (TPOT p50) at 1 / {' / '.join(map(str, levels[1:]))} concurrent "

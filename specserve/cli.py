@@ -246,11 +246,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2); "
                         f"default {DEFAULT_KV_CACHE_MEMORY}")
-    p.add_argument("--quantization", choices=["auto", "none"], default=None,
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
                    help="auto (default): a GGUF model (every known model) serves its own quantized blocks with "
                         "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp; in float32: "
                         "with --dtype bfloat16 the weights are plain); none: plain weights, a GGUF's "
-                        "dequantized exactly")
+                        "dequantized exactly; int8 / int4: any checkpoint's weights requantized per group of 32 "
+                        "for the same kernel")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 for a GGUF's quantized blocks; otherwise bfloat16 where the CPU "
                         "supports it, else float32")

@@ -203,11 +203,50 @@ void output_rows_wide(const uint8_t* codes, const float* scale, const float* min
     y[r * ldy] = _mm512_reduce_add_ps(total);
   }
 }
+// Two neighbouring outputs at once: each row's activations and scales are loaded once for both.
+// Every output's arithmetic is output_rows_wide's, step for step (the same bits either way).
+template <int Bits, int Group, int R>
+void output_pair_rows_wide(const uint8_t* codes, int64_t code_row, const float* scale, const float* min,
+                           const int8_t* xq, const float* xlanes, const float* xsums, int64_t K, float* y,
+                           int64_t ldy) {
+  constexpr int64_t kCodeBytes = Bits == 4 ? 16 : 32;
+  const int64_t spans = K / 32, groups = K / Group;
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < spans; s += 2) {
+    const __m512i w0 = load_codes2<Bits>(codes + s * kCodeBytes);
+    const __m512i w1 = load_codes2<Bits>(codes + code_row + s * kCodeBytes);
+    const __m512 ws0 = scale_lanes2<Group>(scale, s);
+    const __m512 ws1 = scale_lanes2<Group>(scale + groups, s);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xq + r * K + s * 32);
+      const __m512 xl = _mm512_loadu_ps(xlanes + r * (K / 4) + s * 8);
+      const __m512i dot0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x);
+      const __m512i dot1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x);
+      acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(ws0, xl), acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(ws1, xl), acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 total0 = acc0[r], total1 = acc1[r];
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 live = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+      const __m512 sums = _mm512_maskz_loadu_ps(live, xsums + r * groups + g);
+      total0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, min + g), sums, total0);
+      total1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, min + groups + g), sums, total1);
+    }
+    y[r * ldy] = _mm512_reduce_add_ps(total0);
+    y[r * ldy + 1] = _mm512_reduce_add_ps(total1);
+  }
+}
 #else
 constexpr bool kWide = false;
 template <int Bits, int Group, int R>
 void output_rows_wide(const uint8_t*, const float*, const float*, const int8_t*, const float*, const float*,
                       int64_t, float*, int64_t) {}
+template <int Bits, int Group, int R>
+void output_pair_rows_wide(const uint8_t*, int64_t, const float*, const float*, const int8_t*, const float*,
+                           const float*, int64_t, float*, int64_t) {}
 #endif
 
 #else  // portable fallback with the same arithmetic structure (eight lanes, then the minimums)
@@ -242,6 +281,9 @@ constexpr bool kWide = false;
 template <int Bits, int Group, int R>
 void output_rows_wide(const uint8_t*, const float*, const float*, const int8_t*, const float*, const float*,
                       int64_t, float*, int64_t) {}
+template <int Bits, int Group, int R>
+void output_pair_rows_wide(const uint8_t*, int64_t, const float*, const float*, const int8_t*, const float*,
+                           const float*, int64_t, float*, int64_t) {}
 #endif
 
 // One output, rows [0, R): the 512-bit kernel when the spans pair up, else the 256-bit one.
@@ -258,6 +300,16 @@ inline void rows_of_output(const uint8_t* codes, const float* scale, const float
     output_rows<Bits, Group, R>(codes, scale, min, xq, a.scale.data_ptr<float>() + m * spans, xsums, K, y, ldy);
 }
 
+// Outputs n and n + 1, rows [0, R), through the 512-bit kernel (only when the spans pair up).
+template <int Bits, int Group, int R>
+inline void rows_of_output_pair(const uint8_t* codes, int64_t code_row, const float* scale, const float* min,
+                                const Activations& a, int64_t m, int64_t K, float* y, int64_t ldy) {
+  const int64_t groups = K / Group;
+  output_pair_rows_wide<Bits, Group, R>(codes, code_row, scale, min, a.q.data_ptr<int8_t>() + m * K,
+                                        a.lanes.data_ptr<float>() + m * (K / 4), a.sums.data_ptr<float>() + m * groups,
+                                        K, y, ldy);
+}
+
 template <int Bits, int Group>
 void block_matmul_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& min, at::Tensor& y) {
@@ -268,8 +320,24 @@ void block_matmul_impl(const Activations& a, const at::Tensor& codes, const at::
   const float* mp = min.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr int64_t kRows = 4;
+  // Pairs pay off from two rows on; one row (a decode) streams its weights faster one output at a
+  // time. Either way an output gets the same bits, so the choice may depend on the step's rows.
+  const bool pairs = kWide && (K / 32) % 2 == 0 && M > 1;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
+    int64_t n = begin;
+    for (; pairs && n + 2 <= end; n += 2) {
+      const uint8_t* c = cp + n * code_row;
+      const float* s = sp + n * groups;
+      const float* mn = mp + n * groups;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows)
+        rows_of_output_pair<Bits, Group, kRows>(c, code_row, s, mn, a, m, K, yp + m * N + n, N);
+      const int64_t rest = M - m;
+      if (rest == 3) rows_of_output_pair<Bits, Group, 3>(c, code_row, s, mn, a, m, K, yp + m * N + n, N);
+      if (rest == 2) rows_of_output_pair<Bits, Group, 2>(c, code_row, s, mn, a, m, K, yp + m * N + n, N);
+      if (rest == 1) rows_of_output_pair<Bits, Group, 1>(c, code_row, s, mn, a, m, K, yp + m * N + n, N);
+    }
+    for (; n < end; ++n) {
       const uint8_t* c = cp + n * code_row;
       const float* s = sp + n * groups;
       const float* mn = mp + n * groups;

@@ -56,19 +56,23 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
     for (int64_t t = sp[b]; t < sp[b + 1]; ++t) request[t] = b;
 
   at::parallel_for(0, T * Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots;
+    std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its heads
     std::vector<float> scores;
+    int64_t slots_of = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hq, h = item % Hq, b = request[t], node = t - sp[b], context = cp[b];
       const int64_t kv_head = h / group;
-      auto slot_of = [&](int64_t position) {
-        return tp[b * max_blocks + position / block_size] * block_size + position % block_size;
-      };
-      slots.clear();
-      for (int64_t p = 0; p < context; ++p) slots.push_back(slot_of(p));
-      const bool* ancestors = mp + (b * max_n + node) * max_n;
-      for (int64_t j = 0; j <= node; ++j)
-        if (ancestors[j]) slots.push_back(slot_of(context + j));
+      if (t != slots_of) {
+        auto slot_of = [&](int64_t position) {
+          return tp[b * max_blocks + position / block_size] * block_size + position % block_size;
+        };
+        slots.clear();
+        for (int64_t p = 0; p < context; ++p) slots.push_back(slot_of(p));
+        const bool* ancestors = mp + (b * max_n + node) * max_n;
+        for (int64_t j = 0; j <= node; ++j)
+          if (ancestors[j]) slots.push_back(slot_of(context + j));
+        slots_of = t;
+      }
       const float* qrow = qp + (t * Hq + h) * D;
       const int64_t keys = static_cast<int64_t>(slots.size());
       scores.resize(keys + specserve::kExpPad);

@@ -57,6 +57,28 @@ class BlockWeight:
         min_ = self.min[rows].double().repeat_interleave(self.group, dim=1)
         return torch.addcmul(min_, q, scale).float()  # exact in fp64, then one rounding
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bits: int, group: int = 32) -> BlockWeight:
+        """A plain [rows, cols] weight in codes of `bits` per group of `group` columns, for a
+        checkpoint that has no blocks of its own (`--quantization int8|int4`): int8 symmetric as
+        Q8_0 (scale = absmax / 127), int4 affine as Q4_1 (scale = (max - min) / 15), fp32 scales."""
+        if bits not in (4, 8) or weight.dim() != 2 or weight.shape[1] % 32 or group != 32:
+            raise ValueError(f"quantize: a 2-D weight with a multiple of 32 columns, 4 or 8 bits, groups of 32; "
+                             f"got {tuple(weight.shape)}, {bits} bits, groups of {group}")
+        w = weight.float().reshape(weight.shape[0], -1, group)
+        if bits == 8:
+            scale = w.abs().amax(dim=2) / 127
+            safe = torch.where(scale > 0, scale, 1.0)
+            codes = (torch.round(w / safe.unsqueeze(2)).clamp(-127, 127) + 128).to(torch.uint8)
+            return cls(codes.reshape(weight.shape[0], -1).contiguous(), scale.contiguous(), (-128 * scale).contiguous(),
+                       8, group, "int8", zero_point=128)
+        low, high = w.amin(dim=2), w.amax(dim=2)
+        scale = (high - low) / 15
+        safe = torch.where(scale > 0, scale, 1.0)
+        q = torch.round((w - low.unsqueeze(2)) / safe.unsqueeze(2)).clamp(0, 15).to(torch.uint8)
+        codes = torch.from_numpy(pack_nibbles(q.reshape(weight.shape[0], -1).numpy()))
+        return cls(codes.contiguous(), scale.contiguous(), low.contiguous(), 4, group, "int4")
+
     def permute_rows(self, order: torch.Tensor) -> BlockWeight:
         return BlockWeight(self.codes[order].contiguous(), self.scale[order].contiguous(),
                            self.min[order].contiguous(), self.bits, self.group, self.source_type, self.zero_point)

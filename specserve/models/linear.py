@@ -71,6 +71,15 @@ class Projection(nn.Module):
         fused = BlockWeight.stack(list(blocks))
         self.quantized = [fused] if fused is not None else list(blocks)
 
+    def requantize(self, bits: int) -> None:
+        """Plain weights into blocks of `bits` (`BlockWeight.quantize`) that the CPU kernel runs."""
+        if self.quantized:
+            return
+        weights = self.blocks if self.blocks else list(self.fused.split(self.out_sizes))
+        biases = list(self.fused_bias.split(self.out_sizes)) if self.fused_bias is not None else None
+        self.load_quantized([BlockWeight.quantize(w, bits) for w in weights], biases)
+        self.blocks, self.biases, self.fused, self.packed = [], [], None, None
+
     def select_rows(self, rows: torch.Tensor) -> Projection:
         """A one-block projection computing only output rows `rows` (a restricted LM head)."""
         if self.fused_bias is not None or len(self.out_sizes) != 1:

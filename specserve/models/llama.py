@@ -126,7 +126,10 @@ class LlamaForCausalLM(nn.Module):
     def weight_format(self) -> str:
         """What the projections hold: "GGUF blocks Q4_1, Q8_0" or "plain float32" (for logs and /metrics)."""
         kinds = sorted({w.source_type for m in self.modules() if isinstance(m, Projection) for w in m.quantized})
-        return f"GGUF blocks {', '.join(kinds)}" if kinds else f"plain {str(self.dtype).removeprefix('torch.')}"
+        if not kinds:
+            return f"plain {str(self.dtype).removeprefix('torch.')}"
+        origin = "requantized" if set(kinds) <= {"int8", "int4"} else "GGUF"
+        return f"{origin} blocks {', '.join(kinds)}"
 
     def init_rotary(self) -> None:
         cfg = self.config

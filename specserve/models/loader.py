@@ -18,13 +18,15 @@ from torch import nn
 
 from specserve.models.config import ModelConfig
 from specserve.models.gguf import BlockWeight, GGUFWeights
-from specserve.models.linear import QuantizedEmbedding, packing_available
+from specserve.models.linear import Projection, QuantizedEmbedding, packing_available
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 from specserve.pull import GGUF_FILE
 
 # auto: a GGUF's own quantized blocks (fp32 activations), else the checkpoint's weights;
-# none: plain weights, a GGUF's dequantized exactly (see `load_gguf`).
-QUANTIZATIONS = ("auto", "none")
+# none: plain weights, a GGUF's dequantized exactly (see `load_gguf`);
+# int8 / int4: any checkpoint's plain weights requantized into blocks (`BlockWeight.quantize`).
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+REQUANTIZE_BITS = {"int8": 8, "int4": 4}
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -137,6 +139,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     config = ModelConfig.from_dir(path)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if quantization in REQUANTIZE_BITS:
+        if dtype not in (None, "auto") and parse_dtype(dtype) != torch.float32:
+            raise ValueError(f"{quantization} blocks compute in float32, not {dtype}: leave the dtype unset")
+        model = load_model(path, torch.float32, "none")
+        for module in model.modules():
+            if isinstance(module, Projection):
+                module.requantize(REQUANTIZE_BITS[quantization])
+        return model
     if (path / GGUF_FILE).exists():
         # Quantized blocks compute in fp32: a model asked for in another dtype gets plain weights.
         fp32 = dtype in (None, "auto") or parse_dtype(dtype) == torch.float32

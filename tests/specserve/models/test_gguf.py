@@ -177,3 +177,28 @@ def test_the_quantized_model_verifies_a_chain_with_the_bits_of_its_decodes(gguf_
                                      [3, 8, 8, 4, 6, 2, 1, 9])
     # int8 activations are the only difference from the exact weights' model
     assert (chain - exact).norm() / exact.norm() < 0.05
+
+
+@pytest.mark.parametrize("bits, tolerance", [(8, 0.5 / 127), (4, 0.5 / 15)])
+def test_requantized_weights_are_within_half_a_step_of_the_plain_ones(bits, tolerance):
+    weight = torch.randn(24, 96) * torch.logspace(-2, 1, 24).unsqueeze(1)
+    blocks = BlockWeight.quantize(weight, bits)
+    assert (blocks.bits, blocks.group, blocks.shape) == (bits, 32, (24, 96))
+    spans = weight.view(24, 3, 32)
+    span_range = (spans.amax(2) - spans.amin(2)) if bits == 4 else spans.abs().amax(2)
+    error = (blocks.dequantize() - weight).abs().view(24, 3, 32).amax(2)
+    assert (error <= span_range * tolerance * 1.001 + 1e-7).all()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_any_checkpoint_requantizes_and_verifies_with_the_bits_of_its_decodes(tiny_checkpoint, quantization):
+    from specserve.models.loader import load_model
+
+    directory = tiny_checkpoint("llama", seed=3, tie_word_embeddings=False)  # safetensors, no GGUF
+    model = load_model(directory, quantization=quantization)
+    assert model.weight_format() == f"requantized blocks {quantization}"
+    chain, alone = run_chain_and_decodes(model, [5, 9, 2, 7, 1], [3, 8, 8, 4, 6, 2, 1, 9])
+    assert torch.equal(chain, alone)
+    exact, _ = run_chain_and_decodes(load_model(directory, torch.float32, "none"), [5, 9, 2, 7, 1],
+                                     [3, 8, 8, 4, 6, 2, 1, 9])
+    assert (chain - exact).norm() / exact.norm() < (0.05 if quantization == "int8" else 0.25)
