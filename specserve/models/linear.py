@@ -75,9 +75,8 @@ class Projection(nn.Module):
         """Plain weights into blocks of `bits` (`BlockWeight.quantize`) that the CPU kernel runs."""
         if self.quantized:
             return
-        weights = self.blocks if self.blocks else list(self.fused.split(self.out_sizes))
         biases = list(self.fused_bias.split(self.out_sizes)) if self.fused_bias is not None else None
-        self.load_quantized([BlockWeight.quantize(w, bits) for w in weights], biases)
+        self.load_quantized([BlockWeight.quantize(w, bits) for w in self.blocks], biases)
         self.blocks, self.biases, self.fused, self.packed = [], [], None, None
 
     def select_rows(self, rows: torch.Tensor) -> Projection:
