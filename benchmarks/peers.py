@@ -41,7 +41,7 @@ import httpx
 import peer_envs
 from engine import percentiles
 from report import write_report
-from serving import free_port
+from serving import free_port, stream_completion
 from tqdm import tqdm
 
 from specserve.ablation.config import SPEC_BENCH, spec_bench_by_category
@@ -133,25 +133,10 @@ async def one_request(client: httpx.AsyncClient, url: str, text: str, max_tokens
                       count_tokens) -> dict:
     body = {"model": "bench", "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
-    sent = time.perf_counter()
-    chunk_times: list[float] = []
-    pieces: list[str] = []
-    usage = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                chunk_times.append(time.perf_counter())
-                pieces.append(chunk["choices"][0]["text"])
-    done = time.perf_counter()
-    tokens = usage if usage else count_tokens("".join(pieces))
-    first = chunk_times[0] if chunk_times else done
+    streamed = await stream_completion(client, url, body)
+    sent, done = streamed["sent"], streamed["done"]
+    tokens = streamed["usage"] or count_tokens(streamed["text"])
+    first = streamed["chunk_times"][0] if streamed["chunk_times"] else done
     return {"sent": sent, "done": done, "tokens": tokens, "ttft": first - sent,
             "tpot": (done - first) / (tokens - 1) if tokens > 1 else float("nan")}
 

@@ -78,26 +78,38 @@ def start_server(args: argparse.Namespace, port: int, extra: list[str] = (), log
     raise RuntimeError("the server did not start within 10 minutes")
 
 
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """POST a streaming `/v1/completions`: its send and end times, the time and text of every chunk
+    that carries text, and the `completion_tokens` of the usage it streams (None if none)."""
+    sent = time.perf_counter()
+    chunk_times: list[float] = []
+    pieces: list[str] = []
+    usage = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                chunk_times.append(time.perf_counter())
+                pieces.append(chunk["choices"][0]["text"])
+    return {"sent": sent, "done": time.perf_counter(), "chunk_times": chunk_times, "text": "".join(pieces),
+            "usage": usage}
+
+
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
                       speculation: bool) -> dict:
     """A streaming completion: its send time, first-token and per-chunk times, tokens."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True},
             **({} if speculation else {"speculation": {"enabled": False}})}
-    sent = time.perf_counter()
-    chunk_times: list[float] = []
-    tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                chunk_times.append(time.perf_counter())
-    done = time.perf_counter()
+    streamed = await stream_completion(client, url, body)
+    sent, done, chunk_times = streamed["sent"], streamed["done"], streamed["chunk_times"]
+    tokens = streamed["usage"] or 0
     ttft = chunk_times[0] - sent if chunk_times else float("nan")
     return {"sent": sent, "done": done, "tokens": tokens, "ttft": ttft, "e2e": done - sent,
             "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)],
