@@ -2,6 +2,8 @@
 
 * `block_matmul(x, codes, scale, min, bits, group)`: `x @ W.T` with `W = scale * codes + min` per
   group of `group` inputs, GGUF's quantized blocks as stored (`kernels/cpu/block_matmul.cpp`).
+* `kquant_matmul(x, codes, high, sub_scale, sub_min, d, dmin, bits)`: the same for Q4_K and Q6_K
+  super-blocks in their own layout (`kernels/cpu/kquant_matmul.cpp`).
 * `tree_attention(...)`: fp32 attention over the paged cache, each query row over exactly its
   visible keys (`kernels/cpu/tree_attention.cpp`).
 * `rms_norm(x, weight, eps)`: fp32 RMSNorm in one pass (`kernels/cpu/rms_norm.cpp`).
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("block_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp")]
+           for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -104,6 +106,14 @@ def block_matmul(
 ) -> torch.Tensor:
     load()
     return torch.ops.specserve_cpu.block_matmul(x, codes, scale, min, bits, group)
+
+
+def kquant_matmul(
+    x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor,
+    d: torch.Tensor, dmin: torch.Tensor, bits: int,
+) -> torch.Tensor:
+    load()
+    return torch.ops.specserve_cpu.kquant_matmul(x, codes, high, sub_scale, sub_min, d, dmin, bits)
 
 
 def tree_attention(

@@ -355,7 +355,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
                         const at::Tensor& min, int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_matmul: x must be a 2-D float32 tensor");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2, "block_matmul: codes must be 2-D uint8");
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "block_matmul: bits must be 4, 6 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "block_matmul: bits must be 4, 5, 6 or 8");
   TORCH_CHECK(group == 16 || group == 32, "block_matmul: group must be 16 or 32");
   const int64_t K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % 32 == 0, "block_matmul: the input size must be a multiple of 32");
@@ -370,8 +370,9 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   if (x.size(0) == 0 || N == 0) return y;
   if (bits == 4 && group == 32) block_matmul_impl<4, 32>(a, cc, sc, mc, y);
   else if (bits == 4) block_matmul_impl<4, 16>(a, cc, sc, mc, y);
-  else if (bits == 6 && group == 32) block_matmul_impl<6, 32>(a, cc, sc, mc, y);
-  else if (bits == 6) block_matmul_impl<6, 16>(a, cc, sc, mc, y);
+  // 5- and 6-bit codes take one byte each and cannot saturate maddubs: one path
+  else if (bits <= 6 && group == 32) block_matmul_impl<6, 32>(a, cc, sc, mc, y);
+  else if (bits <= 6) block_matmul_impl<6, 16>(a, cc, sc, mc, y);
   else if (group == 32) block_matmul_impl<8, 32>(a, cc, sc, mc, y);
   else block_matmul_impl<8, 16>(a, cc, sc, mc, y);
   return y;

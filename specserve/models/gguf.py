@@ -1,44 +1,80 @@
 """A GGUF file's weights as they are stored: quantized blocks, kept quantized.
 
-Every block format our models ship (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0) is one affine code per weight
-with a scale and a minimum per group of 16 or 32 inputs, `w = scale * q + min`, so they all become
-one `BlockWeight` that `kernels.native.block_matmul` multiplies directly. Scales and minimums are the
-file's own (fp16 products, exact in fp32); `BlockWeight.dequantize` gives `gguf`'s own
+Two layouts cover every block format our models ship:
+
+* `BlockWeight` (Q4_0, Q4_1, Q5_0, Q8_0): one affine code per weight with a scale and a minimum
+  per group of 32 inputs, `w = scale * q + min`, multiplied by `kernels.native.block_matmul`;
+* `SuperBlockWeight` (Q4_K, Q6_K): the file's super-blocks of 256 inputs with integer sub-block
+  scales (and minimums) and fp16 d (and dmin), multiplied by `kernels.native.kquant_matmul`.
+
+Scales and minimums are the file's own (exact in fp32); `dequantize` gives `gguf`'s own
 dequantization bit for bit. Other formats (and F32/F16/BF16 tensors) are dequantized by `gguf`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kernels import native
+
 QK_K = 256  # elements per K-quant super-block
 
 
-@dataclass
-class BlockWeight:
-    """A [rows, cols] weight as codes (4-bit: two per byte, 8-bit: one per byte) plus fp32 scale
-    and minimum per group of `group` columns. 4-bit codes keep GGUF's Q4_0 layout per 32 columns:
-    byte j holds column j in its low nibble and column j + 16 in its high nibble."""
+class QuantizedRows:
+    """What both layouts share: every tensor field is indexed by the weight's rows."""
 
-    codes: torch.Tensor  # uint8 [rows, cols / 2] (bits 4) or [rows, cols] (bits 6, 8)
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+
+    def permute_rows(self, order: torch.Tensor):
+        return replace(self, **{name: t[order].contiguous() for name, t in self._tensors().items()})
+
+    def _layout(self) -> tuple:
+        plain = tuple(getattr(self, f.name) for f in fields(self)
+                      if f.name != "source_type" and not isinstance(getattr(self, f.name), torch.Tensor))
+        return type(self), self.shape[1], plain
+
+    @staticmethod
+    def stack(parts: list) -> QuantizedRows | None:
+        """Parts of one layout stacked by rows (fused q/k/v, gate/up); None when layouts differ."""
+        first = parts[0]
+        if any(p._layout() != first._layout() for p in parts):
+            return None
+        if len(parts) == 1:
+            return first
+        tensors = {name: torch.cat([p._tensors()[name] for p in parts]) for name in first._tensors()}
+        return replace(first, **tensors, source_type="+".join(sorted({p.source_type for p in parts})))
+
+
+@dataclass
+class BlockWeight(QuantizedRows):
+    """A [rows, cols] weight as codes (4-bit: two per byte; 5- to 8-bit: one per byte) plus fp32
+    scale and minimum per group of `group` columns. 4-bit codes keep GGUF's Q4_0 layout per 32
+    columns: byte j holds column j in its low nibble and column j + 16 in its high nibble."""
+
+    codes: torch.Tensor  # uint8 [rows, cols / 2] (bits 4) or [rows, cols] (bits 5, 6, 8)
     scale: torch.Tensor  # float32 [rows, cols / group]
     min: torch.Tensor  # float32 [rows, cols / group]
     bits: int
     group: int
     source_type: str  # the GGUF type it came from, for logs ("Q4_1")
-    zero_point: int = 0  # symmetric formats (Q4_0, Q6_K, Q8_0): w = scale * (q - zero_point), min = -zero_point * scale
+    zero_point: int = 0  # symmetric formats (Q4_0, Q5_0, Q8_0): w = scale * (q - zero_point), min = -zero_point * scale
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.scale.shape[0], self.scale.shape[1] * self.group
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` in fp32 (activations quantized per 32 inputs; `kernels/cpu/block_matmul.cpp`)."""
+        return native.block_matmul(x, self.codes, self.scale, self.min, self.bits, self.group)
 
     def values(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """The integer codes of `rows`, one per weight, as uint8 [len(rows), cols]."""
@@ -79,28 +115,73 @@ class BlockWeight:
         codes = torch.from_numpy(pack_nibbles(q.reshape(weight.shape[0], -1).numpy()))
         return cls(codes.contiguous(), scale.contiguous(), low.contiguous(), 4, group, "int4")
 
-    def permute_rows(self, order: torch.Tensor) -> BlockWeight:
-        return BlockWeight(self.codes[order].contiguous(), self.scale[order].contiguous(),
-                           self.min[order].contiguous(), self.bits, self.group, self.source_type, self.zero_point)
 
-    @staticmethod
-    def stack(parts: list[BlockWeight]) -> BlockWeight | None:
-        """Parts of one layout stacked by rows (fused q/k/v, gate/up); None when layouts differ."""
-        first = parts[0]
-        layout = lambda p: (p.bits, p.group, p.shape[1], p.zero_point)  # noqa: E731
-        if any(layout(p) != layout(first) for p in parts):
-            return None
-        if len(parts) == 1:
-            return first
-        return BlockWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                           torch.cat([p.min for p in parts]), first.bits, first.group,
-                           "+".join(sorted({p.source_type for p in parts})), first.zero_point)
+@dataclass
+class SuperBlockWeight(QuantizedRows):
+    """A [rows, cols] weight in K-quant super-blocks of 256 columns, the file's bytes rearranged:
+    Q4_K (`bits` 4: w = d * sc * q - dmin * m, 6-bit sc and m per 32 columns) and Q6_K (`bits` 6:
+    w = d * sc * (q - 32), int8 sc per 16 columns), d and dmin per super-block. Low 4 bits of the
+    codes per 128 columns in 64 bytes (byte j: column j low, column j + 64 high); Q6_K's top two
+    bits per 128 columns in 32 bytes (byte j: columns j, j + 32, j + 64, j + 96, two bits each)."""
+
+    codes: torch.Tensor  # uint8 [rows, cols / 2]
+    high: torch.Tensor  # uint8 [rows, cols / 4] (Q6_K) or [rows, 0]
+    sub_scale: torch.Tensor  # uint8 [rows, cols / 32] (Q4_K) or int8 [rows, cols / 16] (Q6_K)
+    sub_min: torch.Tensor  # uint8 [rows, cols / 32] (Q4_K) or [rows, 0]
+    d: torch.Tensor  # float32 [rows, cols / 256]
+    dmin: torch.Tensor  # float32 [rows, cols / 256] (Q4_K) or [rows, 0]
+    bits: int
+    source_type: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * QK_K
+
+    @property
+    def group(self) -> int:
+        return 32 if self.bits == 4 else 16
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` in fp32 (activations quantized per 256 inputs; `kernels/cpu/kquant_matmul.cpp`)."""
+        return native.kquant_matmul(x, self.codes, self.high, self.sub_scale, self.sub_min, self.d, self.dmin,
+                                    self.bits)
+
+    def values(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """The integer codes of `rows` (0-15 or 0-63), one per weight, as uint8 [len(rows), cols]."""
+        codes = self.codes[rows]
+        chunks = codes.view(codes.shape[0], -1, 64)
+        q = torch.cat([chunks & 0x0F, chunks >> 4], dim=2)
+        if self.bits == 6:
+            high = self.high[rows].view(codes.shape[0], -1, 32)
+            q |= torch.cat([(high >> (2 * t)) & 0x03 for t in range(4)], dim=2) << 4
+        return q.view(codes.shape[0], -1)
+
+    def dequantize(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """fp32 weights of `rows`, exactly as `gguf` computes them (exact in fp64, one rounding)."""
+        q = self.values(rows).double()
+        per_sub = QK_K // self.group
+        d = self.d[rows].double().repeat_interleave(per_sub, dim=1)
+        scale = (d * self.sub_scale[rows].double()).repeat_interleave(self.group, dim=1)
+        if self.bits == 6:
+            return (scale * (q - 32)).float()
+        dmin = self.dmin[rows].double().repeat_interleave(per_sub, dim=1)
+        min_ = (dmin * self.sub_min[rows].double()).repeat_interleave(self.group, dim=1)
+        return (scale * q - min_).float()
 
 
-def pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """uint8 values < 16, [rows, cols] -> [rows, cols / 2] in the 32-column span layout."""
-    spans = q.reshape(q.shape[0], -1, 2, 16)
+def pack_nibbles(q: np.ndarray, span: int = 32) -> np.ndarray:
+    """uint8 values < 16, [rows, cols] -> [rows, cols / 2]: per `span` columns, byte j holds column
+    j in its low nibble and column j + span / 2 in its high nibble."""
+    spans = q.reshape(q.shape[0], -1, 2, span // 2)
     return (spans[:, :, 0, :] | (spans[:, :, 1, :] << 4)).reshape(q.shape[0], -1)
+
+
+def pack_high_bits(high: np.ndarray) -> np.ndarray:
+    """uint8 values < 4, [rows, cols] -> [rows, cols / 4]: per 128 columns, byte j holds columns
+    j, j + 32, j + 64 and j + 96 in bits 0-1, 2-3, 4-5 and 6-7."""
+    parts = high.reshape(high.shape[0], -1, 4, 32)
+    packed = parts[:, :, 0] | (parts[:, :, 1] << 2) | (parts[:, :, 2] << 4) | (parts[:, :, 3] << 6)
+    return packed.reshape(high.shape[0], -1)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -111,23 +192,41 @@ def _blocks(data: np.ndarray, rows: int, block_bytes: int) -> np.ndarray:
     return np.asarray(data, dtype=np.uint8).reshape(rows, -1, block_bytes)
 
 
+def _tensor(a: np.ndarray, dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+
+
+def _grouped(rows, codes, d, min_, bits, zero_point, type_name) -> BlockWeight:
+    return BlockWeight(_tensor(codes.reshape(rows, -1), np.uint8), _tensor(d, np.float32), _tensor(min_, np.float32),
+                       bits, 32, type_name, zero_point)
+
+
 def _q4_0(data, rows):
     b = _blocks(data, rows, 18)
     d = _f16(b[..., 0:2])[..., 0]
-    return b[..., 2:].reshape(rows, -1), d, -8 * d, 4, 32, 8
+    return _grouped(rows, b[..., 2:], d, -8 * d, 4, 8, "Q4_0")
 
 
 def _q4_1(data, rows):
     b = _blocks(data, rows, 20)
     d, m = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
-    return b[..., 4:].reshape(rows, -1), d, m, 4, 32, 0
+    return _grouped(rows, b[..., 4:], d, m, 4, 0, "Q4_1")
+
+
+def _q5_0(data, rows):
+    b = _blocks(data, rows, 22)
+    d = _f16(b[..., 0:2])[..., 0]
+    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # bit j: the fifth bit of column j
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    low = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)  # columns 0-15, then 16-31
+    return _grouped(rows, low | (high << 4), d, -16 * d, 5, 16, "Q5_0")
 
 
 def _q8_0(data, rows):
     b = _blocks(data, rows, 34)
     d = _f16(b[..., 0:2])[..., 0]
     codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    return codes.reshape(rows, -1), d, -128 * d, 8, 32, 128
+    return _grouped(rows, codes, d, -128 * d, 8, 128, "Q8_0")
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -140,40 +239,39 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _q4_k(data, rows):
     b = _blocks(data, rows, 144)
-    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [rows, blocks, 1]
+    d, dmin = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]  # [rows, blocks]
     sc, mn = _k_scales(b[..., 4:16])
     qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
     q = (qs & 0x0F).reshape(rows, -1)  # 64 columns per 32 bytes: low nibbles, then high
-    return pack_nibbles(q), (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1), 4, 32, 0
+    empty = np.zeros((rows, 0), np.uint8)
+    return SuperBlockWeight(_tensor(pack_nibbles(q, 128), np.uint8), _tensor(empty, np.uint8),
+                            _tensor(sc.reshape(rows, -1), np.uint8), _tensor(mn.reshape(rows, -1), np.uint8),
+                            _tensor(d, np.float32), _tensor(dmin, np.float32), 4, "Q4_K")
 
 
 def _q6_k(data, rows):
     b = _blocks(data, rows, 210)
     ql, qh = b[..., :128], b[..., 128:192]
-    sc = b[..., 192:208].view(np.int8).astype(np.float32)
-    d = _f16(b[..., 208:210])
+    sc = b[..., 192:208].view(np.int8)
+    d = _f16(b[..., 208:210])[..., 0]
     low = (ql.reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F
     high = (qh.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03
-    q = low.reshape(rows, -1, 2, 4, 32) | (high.reshape(rows, -1, 2, 4, 32) << 4)
-    scale = (d * sc).reshape(rows, -1)
-    return q.reshape(rows, -1), scale, -32 * scale, 6, 16, 32
+    q = (low.reshape(rows, -1, 2, 4, 32) | (high.reshape(rows, -1, 2, 4, 32) << 4)).reshape(rows, -1)
+    return SuperBlockWeight(_tensor(pack_nibbles(q & 0x0F, 128), np.uint8), _tensor(pack_high_bits(q >> 4), np.uint8),
+                            _tensor(sc.reshape(rows, -1), np.int8), _tensor(np.zeros((rows, 0)), np.uint8),
+                            _tensor(d, np.float32), _tensor(np.zeros((rows, 0)), np.float32), 6, "Q6_K")
 
 
-DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 
 
-def decode_blocks(raw: np.ndarray, type_name: str, rows: int) -> BlockWeight | None:
-    """`rows` rows of raw GGUF blocks of type `type_name` as a BlockWeight; None for other types."""
+def decode_blocks(raw: np.ndarray, type_name: str, rows: int) -> BlockWeight | SuperBlockWeight | None:
+    """`rows` rows of raw GGUF blocks of type `type_name` in our layout; None for other types."""
     decode = DECODERS.get(type_name)
-    if decode is None:
-        return None
-    codes, scale, min_, bits, group, zero_point = decode(raw, rows)
-    as_tensor = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))  # noqa: E731
-    return BlockWeight(as_tensor(codes, np.uint8), as_tensor(scale, np.float32), as_tensor(min_, np.float32),
-                       bits, group, type_name, zero_point)
+    return decode(raw, rows) if decode is not None else None
 
 
-def block_weight(tensor) -> BlockWeight | None:
+def block_weight(tensor) -> BlockWeight | SuperBlockWeight | None:
     """A 2-D `gguf.ReaderTensor` as a BlockWeight, or None when its type is not one of DECODERS."""
     return decode_blocks(tensor.data, tensor.tensor_type.name, int(tensor.shape[-1]))  # dims innermost first
 
@@ -234,7 +332,7 @@ class GGUFWeights:
             return unpermute_order(rows, self.heads[part])
         return None
 
-    def take(self, name: str, *, quantized: bool) -> BlockWeight | torch.Tensor:
+    def take(self, name: str, *, quantized: bool) -> BlockWeight | SuperBlockWeight | torch.Tensor:
         tensor = self.tensors.pop(name)
         weight = block_weight(tensor) if quantized and len(tensor.shape) == 2 else None
         if weight is None:
@@ -242,4 +340,4 @@ class GGUFWeights:
         order = self._order(name, weight.shape[0])
         if order is None:
             return weight
-        return weight.permute_rows(order) if isinstance(weight, BlockWeight) else weight[order].contiguous()
+        return weight.permute_rows(order) if isinstance(weight, QuantizedRows) else weight[order].contiguous()

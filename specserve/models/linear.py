@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.native import block_matmul
-from specserve.models.gguf import BlockWeight
+from specserve.models.gguf import BlockWeight, QuantizedRows
 
 LARGE_STEP_TOKENS = 128
 PACK_BATCH_HINT = 64  # the oneDNN packing measured fastest for every step size up to 128 tokens
@@ -60,15 +59,15 @@ class Projection(nn.Module):
         self.int8: torch.ScriptObject | None = None  # fbgemm-packed int8 fused weight (drafts only)
         # GGUF blocks, kept quantized (every step size): one fused weight, or one per block when
         # their formats differ (a Q4_K_M file mixes Q4_K and Q6_K within q/k/v).
-        self.quantized: list[BlockWeight] = []
+        self.quantized: list[QuantizedRows] = []
 
-    def load_quantized(self, blocks: Sequence[BlockWeight], biases: Sequence[torch.Tensor] | None) -> None:
+    def load_quantized(self, blocks: Sequence[QuantizedRows], biases: Sequence[torch.Tensor] | None) -> None:
         """Take GGUF block weights (one per block, in order); they stay in their own format."""
         shapes = [b.shape for b in blocks]
         if shapes != [(n, self.in_features) for n in self.out_sizes]:
             raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
         self.fused_bias = torch.cat([b.float() for b in biases]) if biases else None
-        fused = BlockWeight.stack(list(blocks))
+        fused = QuantizedRows.stack(list(blocks))
         self.quantized = [fused] if fused is not None else list(blocks)
 
     def requantize(self, bits: int) -> None:
@@ -136,7 +135,7 @@ class Projection(nn.Module):
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.blocks, self.biases, strict=True)], dim=-1)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [block_matmul(x, w.codes, w.scale, w.min, w.bits, w.group) for w in self.quantized]
+        outs = [w.matmul(x) for w in self.quantized]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.fused_bias is None else y + self.fused_bias
 
@@ -152,7 +151,7 @@ class QuantizedEmbedding(nn.Module):
     """Token embeddings kept in their GGUF blocks: a lookup dequantizes only the rows it reads,
     exactly as `gguf` would (see `BlockWeight.dequantize`)."""
 
-    def __init__(self, weight: BlockWeight, dtype: torch.dtype):
+    def __init__(self, weight: QuantizedRows, dtype: torch.dtype):
         super().__init__()
         self.blocks, self.dtype = weight, dtype
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from specserve.models.config import ModelConfig
-from specserve.models.gguf import BlockWeight, GGUFWeights
+from specserve.models.gguf import GGUFWeights, QuantizedRows
 from specserve.models.linear import Projection, QuantizedEmbedding, packing_available
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 from specserve.pull import GGUF_FILE
@@ -207,10 +207,10 @@ def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, 
     def projection(module, prefix: str, names: list[str], bias: bool) -> None:
         weights = [source.take(f"{prefix}{n}.weight", quantized=quantized) for n in names]
         biases = [plain(f"{prefix}{n}.bias") for n in names] if bias else None
-        if all(isinstance(w, BlockWeight) for w in weights):
+        if all(isinstance(w, QuantizedRows) for w in weights):
             module.load_quantized(weights, biases)
         else:  # a format the kernel does not take: gguf dequantized it
-            dense = [(w.dequantize() if isinstance(w, BlockWeight) else w).to(dtype) for w in weights]
+            dense = [(w.dequantize() if isinstance(w, QuantizedRows) else w).to(dtype) for w in weights]
             module.load(dense, biases, pack=pack)
 
     with torch.device("meta"):
@@ -226,13 +226,13 @@ def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, 
                                                              requires_grad=False)
     model.norm.weight = nn.Parameter(plain("norm.weight"), requires_grad=False)
     embedding = source.take("embed_tokens.weight", quantized=quantized)
-    if isinstance(embedding, BlockWeight):
+    if isinstance(embedding, QuantizedRows):
         model.embed_tokens = QuantizedEmbedding(embedding, dtype)
     else:
         model.embed_tokens.weight = nn.Parameter(embedding.to(dtype), requires_grad=False)
     if "lm_head.weight" in source.names():
         projection(model.lm_head, "", ["lm_head"], False)
-    elif isinstance(embedding, BlockWeight):  # tied: the head reads the embedding's own blocks
+    elif isinstance(embedding, QuantizedRows):  # tied: the head reads the embedding's own blocks
         model.lm_head.load_quantized([embedding], None)
     else:
         model.lm_head.load([model.embed_tokens.weight.data], None, pack=pack)

@@ -8,10 +8,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from specserve.models.gguf import DECODERS, BlockWeight, decode_blocks, hf_name, unpermute_order
+from specserve.models.gguf import DECODERS, BlockWeight, QuantizedRows, decode_blocks, hf_name, unpermute_order
 
 # type -> (bytes per block, weights per block, byte offsets of its fp16 scales)
-LAYOUTS = {"Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q8_0": (34, 32, [0]),
+LAYOUTS = {"Q4_0": (18, 32, [0]), "Q4_1": (20, 32, [0, 2]), "Q5_0": (22, 32, [0]), "Q8_0": (34, 32, [0]),
            "Q4_K": (144, 256, [0, 2]), "Q6_K": (210, 256, [208])}
 
 
@@ -50,10 +50,14 @@ def test_rows_dequantize_alone_as_in_the_whole(type_name):
 def test_stacking_fuses_one_layout_and_refuses_mixed_ones():
     a = decode_blocks(random_blocks("Q4_1", 4, 256, seed=1), "Q4_1", 4)
     b = decode_blocks(random_blocks("Q4_1", 2, 256, seed=2), "Q4_1", 2)
-    fused = BlockWeight.stack([a, b])
+    fused = QuantizedRows.stack([a, b])
     assert fused is not None and fused.shape == (6, 256)
     assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    assert BlockWeight.stack([a, decode_blocks(random_blocks("Q6_K", 2, 256), "Q6_K", 2)]) is None
+    k4 = decode_blocks(random_blocks("Q4_K", 3, 256, seed=3), "Q4_K", 3)
+    fused = QuantizedRows.stack([k4, k4])
+    assert fused is not None and torch.equal(fused.dequantize(), torch.cat([k4.dequantize()] * 2))
+    assert QuantizedRows.stack([a, decode_blocks(random_blocks("Q6_K", 2, 256), "Q6_K", 2)]) is None
+    assert QuantizedRows.stack([k4, decode_blocks(random_blocks("Q6_K", 2, 256), "Q6_K", 2)]) is None
 
 
 def test_names_map_onto_hugging_face_ones():

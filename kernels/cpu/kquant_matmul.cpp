@@ -1,0 +1,317 @@
+// y = x W^T for W in GGUF's K-quant super-blocks of 256 inputs, kept as the file stores them:
+// Q4_K (4-bit codes, 6-bit scale and minimum per 32 inputs, fp16 d and dmin per 256) and Q6_K
+// (6-bit codes, int8 scale per 16 inputs, fp16 d per 256), w = d * sc * q - dmin * m and
+// w = d * sc * (q - 32). Reading the file's bytes (not an fp32 scale and minimum per group, which
+// made a Q6_K weight 1.8x and a Q4_K weight 1.3x larger) is what a bandwidth-bound decode needs.
+//
+// Activations are quantized to int8 per block of 256 (one scale each, as llama.cpp's Q8_K), so
+// the float work per row is one multiply-add per 64 inputs: the weights' scale lanes are built
+// once per output and super-block and shared by every row of the step.
+//
+// Layout (the same on every CPU): 4-bit codes per 128 inputs in 64 bytes, byte j holding input j
+// in its low nibble and input j + 64 in its high nibble; Q6_K's two high bits per 128 inputs in
+// 32 bytes, byte j holding inputs j, j + 32, j + 64, j + 96 in bits 0-1, 2-3, 4-5, 6-7.
+//
+// Every output element is computed by the same sequence of operations whatever the number of
+// rows, the tile it falls in or the thread that runs it (exact speculative verification).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KQ_WIDE 1
+#else
+#define KQ_WIDE 0
+#endif
+
+namespace {
+
+constexpr int64_t kSuper = 256;
+
+struct SuperActivations {
+  at::Tensor q;     // int8 [M, K]
+  at::Tensor scale; // f32 [M, K / 256]
+  at::Tensor sums;  // f32 [M, K / sub]: sum of the int8 codes over each weight sub-block (exact)
+};
+
+SuperActivations quantize_rows(const at::Tensor& x, int64_t sub) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kSuper;
+  SuperActivations a{at::empty({M, K}, at::kChar), at::empty({M, blocks}, at::kFloat),
+                     at::empty({M, K / sub}, at::kFloat)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float* sp = a.scale.data_ptr<float>();
+  float* sums = a.sums.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = xp + m * K + b * kSuper;
+        float amax = 0.f;
+        for (int j = 0; j < kSuper; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int8_t* qb = qp + m * K + b * kSuper;
+        for (int j = 0; j < kSuper; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+        sp[m * blocks + b] = d;
+        for (int64_t s = 0; s < kSuper / sub; ++s) {
+          int32_t total = 0;
+          for (int64_t j = 0; j < sub; ++j) total += qb[s * sub + j];
+          sums[m * (K / sub) + b * (kSuper / sub) + s] = static_cast<float>(total);
+        }
+      }
+    }
+  });
+  return a;
+}
+
+// One super-block of one output, as the kernel needs it: codes of its 256 inputs (natural order),
+// the float scale of each sub-block (d * sc, exact) and the minimums' weights per activation sum
+// (-dmin * m for Q4_K, -32 * d * sc for Q6_K; exact).
+struct Weights {
+  const uint8_t* codes;  // [N, K / 2]
+  const uint8_t* high;   // [N, K / 4] (Q6_K) or null
+  const void* sub_scale; // uint8 [N, K / 32] (Q4_K) or int8 [N, K / 16] (Q6_K)
+  const uint8_t* sub_min;// uint8 [N, K / 32] (Q4_K) or null
+  const float* d;        // [N, K / 256]
+  const float* dmin;     // [N, K / 256] (Q4_K) or null
+  int64_t K;
+};
+
+template <int Bits>
+constexpr int64_t sub_size() { return Bits == 4 ? 32 : 16; }
+
+#if !KQ_WIDE
+// The sub-block float scales and minimum weights of super-block b of output n.
+template <int Bits>
+inline void super_scales(const Weights& w, int64_t n, int64_t b, float* scales, float* mins) {
+  constexpr int64_t subs = kSuper / sub_size<Bits>();
+  const int64_t blocks = w.K / kSuper;
+  const float d = w.d[n * blocks + b];
+  if constexpr (Bits == 4) {
+    const uint8_t* sc = static_cast<const uint8_t*>(w.sub_scale) + (n * blocks + b) * subs;
+    const uint8_t* mn = w.sub_min + (n * blocks + b) * subs;
+    const float dmin = w.dmin[n * blocks + b];
+    for (int j = 0; j < subs; ++j) {
+      scales[j] = d * static_cast<float>(sc[j]);
+      mins[j] = -(dmin * static_cast<float>(mn[j]));
+    }
+  } else {
+    const int8_t* sc = static_cast<const int8_t*>(w.sub_scale) + (n * blocks + b) * subs;
+    for (int j = 0; j < subs; ++j) {
+      scales[j] = d * static_cast<float>(sc[j]);
+      mins[j] = -32.f * scales[j];
+    }
+  }
+}
+#endif
+
+#if KQ_WIDE
+
+// The four 64-input code vectors of super-block b (inputs 0-63, 64-127, 128-191, 192-255).
+template <int Bits>
+inline void load_codes(const Weights& w, int64_t n, int64_t b, __m512i* v) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* c = w.codes + n * (w.K / 2) + b * 128;
+  for (int half = 0; half < 2; ++half) {
+    const __m512i packed = _mm512_loadu_si512(c + 64 * half);
+    v[2 * half] = _mm512_and_si512(packed, low4);
+    v[2 * half + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+  }
+  if constexpr (Bits == 6) {
+    const __m512i high2 = _mm512_set1_epi8(0x30);
+    // epi16 shifts per 256-bit half: the first 32 inputs' bits to 4-5, the next 32's likewise
+    const __m512i up = _mm512_set_epi64(2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 2 | 2ll << 16 | 2ll << 32 | 2ll << 48,
+                                        2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 2 | 2ll << 16 | 2ll << 32 | 2ll << 48,
+                                        4 | 4ll << 16 | 4ll << 32 | 4ll << 48, 4 | 4ll << 16 | 4ll << 32 | 4ll << 48,
+                                        4 | 4ll << 16 | 4ll << 32 | 4ll << 48, 4 | 4ll << 16 | 4ll << 32 | 4ll << 48);
+    const __m512i down = _mm512_set_epi64(2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 2 | 2ll << 16 | 2ll << 32 | 2ll << 48,
+                                          2 | 2ll << 16 | 2ll << 32 | 2ll << 48, 2 | 2ll << 16 | 2ll << 32 | 2ll << 48,
+                                          0, 0, 0, 0);
+    const uint8_t* h = w.high + n * (w.K / 4) + b * 64;
+    for (int half = 0; half < 2; ++half) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32 * half));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bits), bits, 1);
+      v[2 * half] = _mm512_or_si512(v[2 * half], _mm512_and_si512(_mm512_sllv_epi16(both, up), high2));
+      v[2 * half + 1] = _mm512_or_si512(v[2 * half + 1], _mm512_and_si512(_mm512_srlv_epi16(both, down), high2));
+    }
+  }
+}
+
+// Scale lanes for the four code vectors of super-block b (dpbusd lane i covers inputs 4i..4i+3)
+// and the minimums' weights per activation sum: the values of super_scales, built in registers.
+template <int Bits>
+inline void scale_lanes(const Weights& w, int64_t n, int64_t b, __m512* lanes, __m512* min_weights) {
+  const int64_t blocks = w.K / kSuper;
+  const __m512 d = _mm512_set1_ps(w.d[n * blocks + b]);
+  if constexpr (Bits == 4) {  // sub-blocks of 32: 8 lanes each, two per vector
+    const uint8_t* sc = static_cast<const uint8_t*>(w.sub_scale) + (n * blocks + b) * 8;
+    const uint8_t* mn = w.sub_min + (n * blocks + b) * 8;
+    const auto widen = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    const __m512 s = _mm512_mul_ps(d, widen(sc));  // lanes 8-15 are zero
+    for (int t = 0; t < 4; ++t) {
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(2 * t)),
+                                             _mm256_set1_epi32(2 * t + 1), 1);
+      lanes[t] = _mm512_permutexvar_ps(idx, s);
+    }
+    *min_weights = _mm512_mul_ps(_mm512_set1_ps(-w.dmin[n * blocks + b]), widen(mn));
+  } else {  // sub-blocks of 16: 4 lanes each, four per vector
+    const int8_t* sc = static_cast<const int8_t*>(w.sub_scale) + (n * blocks + b) * 16;
+    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+    for (int t = 0; t < 4; ++t) {
+      const __m512i idx = _mm512_set_epi32(4 * t + 3, 4 * t + 3, 4 * t + 3, 4 * t + 3, 4 * t + 2, 4 * t + 2,
+                                           4 * t + 2, 4 * t + 2, 4 * t + 1, 4 * t + 1, 4 * t + 1, 4 * t + 1,
+                                           4 * t, 4 * t, 4 * t, 4 * t);
+      lanes[t] = _mm512_permutexvar_ps(idx, s);
+    }
+    *min_weights = _mm512_mul_ps(_mm512_set1_ps(-32.f), s);
+  }
+}
+
+// Rows [0, R) of output n.
+template <int Bits, int R>
+void output_rows(const Weights& w, int64_t n, const SuperActivations& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
+  constexpr __mmask16 kMinLanes = subs == 16 ? 0xFFFF : 0x00FF;
+  const int64_t K = w.K, blocks = K / kSuper;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
+  const float* xs = a.scale.data_ptr<float>() + m * blocks;
+  const float* xsum = a.sums.data_ptr<float>() + m * (K / sub);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i codes[4];
+    __m512 lanes[4], min_weights;
+    load_codes<Bits>(w, n, b, codes);
+    scale_lanes<Bits>(w, n, b, lanes, &min_weights);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + b * kSuper;
+      __m512 block = _mm512_setzero_ps();
+      for (int t = 0; t < 4; ++t) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[t], _mm512_loadu_si512(x + 64 * t));
+        block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lanes[t], block);
+      }
+      const __m512 sums = _mm512_maskz_loadu_ps(kMinLanes, xsum + r * (K / sub) + b * subs);
+      block = _mm512_fmadd_ps(min_weights, sums, block);
+      acc[r] = _mm512_fmadd_ps(block, _mm512_set1_ps(xs[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+}
+
+#else  // portable: the same arithmetic, one sub-block at a time
+
+template <int Bits>
+inline int32_t code_at(const Weights& w, int64_t n, int64_t i) {  // i: input index in the row
+  const int64_t chunk = i / 128, j = i % 128;
+  const uint8_t byte = w.codes[n * (w.K / 2) + chunk * 64 + j % 64];
+  int32_t q = j < 64 ? (byte & 0x0F) : (byte >> 4);
+  if constexpr (Bits == 6) {
+    const uint8_t h = w.high[n * (w.K / 4) + chunk * 32 + j % 32];
+    q |= ((h >> (2 * (j / 32))) & 0x03) << 4;
+  }
+  return q;
+}
+
+template <int Bits, int R>
+void output_rows(const Weights& w, int64_t n, const SuperActivations& a, int64_t m, float* y, int64_t ldy) {
+  constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
+  const int64_t K = w.K, blocks = K / kSuper;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = a.q.data_ptr<int8_t>() + (m + r) * K;
+    const float* xs = a.scale.data_ptr<float>() + (m + r) * blocks;
+    const float* xsum = a.sums.data_ptr<float>() + (m + r) * (K / sub);
+    float acc = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float scales[16], mins[16];
+      super_scales<Bits>(w, n, b, scales, mins);
+      float block = 0.f;
+      for (int64_t s = 0; s < subs; ++s) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < sub; ++j) {
+          const int64_t i = b * kSuper + s * sub + j;
+          dot += code_at<Bits>(w, n, i) * static_cast<int32_t>(xq[i]);
+        }
+        block = std::fma(static_cast<float>(dot), scales[s], block);
+      }
+      for (int64_t s = 0; s < subs; ++s) block = std::fma(mins[s], xsum[b * subs + s], block);
+      acc = std::fma(block, xs[b], acc);
+    }
+    y[r * ldy] = acc;
+  }
+}
+
+#endif
+
+template <int Bits>
+void kquant_impl(const SuperActivations& a, const Weights& w, int64_t N, at::Tensor& y) {
+  const int64_t M = a.q.size(0);
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRows = 8;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) output_rows<Bits, kRows>(w, n, a, m, yp + m * N + n, N);
+      switch (M - m) {
+        case 7: output_rows<Bits, 7>(w, n, a, m, yp + m * N + n, N); break;
+        case 6: output_rows<Bits, 6>(w, n, a, m, yp + m * N + n, N); break;
+        case 5: output_rows<Bits, 5>(w, n, a, m, yp + m * N + n, N); break;
+        case 4: output_rows<Bits, 4>(w, n, a, m, yp + m * N + n, N); break;
+        case 3: output_rows<Bits, 3>(w, n, a, m, yp + m * N + n, N); break;
+        case 2: output_rows<Bits, 2>(w, n, a, m, yp + m * N + n, N); break;
+        case 1: output_rows<Bits, 1>(w, n, a, m, yp + m * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& high,
+                         const at::Tensor& sub_scale, const at::Tensor& sub_min, const at::Tensor& d,
+                         const at::Tensor& dmin, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kquant_matmul: x must be a 2-D float32 tensor");
+  TORCH_CHECK(bits == 4 || bits == 6, "kquant_matmul: bits must be 4 (Q4_K) or 6 (Q6_K)");
+  const int64_t K = x.size(1), N = codes.size(0), sub = bits == 4 ? 32 : 16;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && K % kSuper == 0 && codes.size(1) == K / 2,
+              "kquant_matmul: codes [N, K / 2] do not fit ", K, " inputs (K must be a multiple of 256)");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.sizes() == at::IntArrayRef({N, K / kSuper}),
+              "kquant_matmul: d must be float32 [N, K / 256]");
+  TORCH_CHECK(sub_scale.dim() == 2 && sub_scale.size(0) == N && sub_scale.size(1) == K / sub &&
+                  sub_scale.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "kquant_matmul: sub_scale must be uint8 [N, K / 32] (Q4_K) or int8 [N, K / 16] (Q6_K)");
+  if (bits == 4) {
+    TORCH_CHECK(sub_min.scalar_type() == at::kByte && sub_min.sizes() == sub_scale.sizes() &&
+                    dmin.scalar_type() == at::kFloat && dmin.sizes() == d.sizes(),
+                "kquant_matmul: Q4_K needs uint8 sub_min [N, K / 32] and float32 dmin [N, K / 256]");
+  } else {
+    TORCH_CHECK(high.scalar_type() == at::kByte && high.dim() == 2 && high.size(0) == N && high.size(1) == K / 4,
+                "kquant_matmul: Q6_K needs uint8 high bits [N, K / 4]");
+  }
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), hc = high.contiguous();
+  const at::Tensor sc = sub_scale.contiguous(), mc = sub_min.contiguous(), dc = d.contiguous(),
+                   dmc = dmin.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0 || N == 0) return y;
+  const SuperActivations a = quantize_rows(xc, sub);
+  const Weights w{cc.data_ptr<uint8_t>(), bits == 6 ? hc.data_ptr<uint8_t>() : nullptr, sc.data_ptr(),
+                  bits == 4 ? mc.data_ptr<uint8_t>() : nullptr, dc.data_ptr<float>(),
+                  bits == 4 ? dmc.data_ptr<float>() : nullptr, K};
+  if (bits == 4) kquant_impl<4>(a, w, N, y);
+  else kquant_impl<6>(a, w, N, y);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
+  m.def("kquant_matmul(Tensor x, Tensor codes, Tensor high, Tensor sub_scale, Tensor sub_min, Tensor d, "
+        "Tensor dmin, int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) { m.impl("kquant_matmul", &kquant_matmul); }
