@@ -2,8 +2,11 @@
 
 * `block_matmul(x, codes, scale, min, bits, group)`: `x @ W.T` with `W = scale * codes + min` per
   group of `group` inputs, GGUF's quantized blocks as stored (`kernels/cpu/block_matmul.cpp`).
+* `tiled_matmul(x, codes, scale, min, bits)`: the same over weights repacked in tiles of 16
+  outputs (`BlockWeight.tiles`), the AVX-512 layout for steps of several rows.
 * `kquant_matmul(x, codes, high, sub_scale, sub_min, d, dmin, bits)`: the same for Q4_K and Q6_K
-  super-blocks in their own layout (`kernels/cpu/kquant_matmul.cpp`).
+  super-blocks in their own layout (`kernels/cpu/kquant_matmul.cpp`); `kquant_tiled_matmul`, the
+  same over super-blocks repacked in tiles of 16 outputs (`SuperBlockWeight.tiles`).
 * `tree_attention(...)`: fp32 attention over the paged cache, each query row over exactly its
   visible keys (`kernels/cpu/tree_attention.cpp`).
 * `rms_norm(x, weight, eps)`: fp32 RMSNorm in one pass (`kernels/cpu/rms_norm.cpp`).
@@ -108,12 +111,24 @@ def block_matmul(
     return torch.ops.specserve_cpu.block_matmul(x, codes, scale, min, bits, group)
 
 
+def tiled_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
+                 bits: int) -> torch.Tensor:
+    load()
+    return torch.ops.specserve_cpu.tiled_matmul(x, codes, scale, min, bits)
+
+
 def kquant_matmul(
     x: torch.Tensor, codes: torch.Tensor, high: torch.Tensor, sub_scale: torch.Tensor, sub_min: torch.Tensor,
     d: torch.Tensor, dmin: torch.Tensor, bits: int,
 ) -> torch.Tensor:
     load()
     return torch.ops.specserve_cpu.kquant_matmul(x, codes, high, sub_scale, sub_min, d, dmin, bits)
+
+
+def kquant_tiled_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor,
+                        dmin: torch.Tensor, bits: int) -> torch.Tensor:
+    load()
+    return torch.ops.specserve_cpu.kquant_tiled_matmul(x, codes, scales, d, dmin, bits)
 
 
 def tree_attention(

@@ -378,6 +378,138 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   return y;
 }
 
+// The same product over weights repacked in tiles of 16 outputs (`BlockWeight.tiles`): per tile
+// and group of 32 inputs, eight 64-byte vectors whose lane o holds output o's codes of inputs
+// 4k..4k+3 (4-bit codes: four vectors, inputs 16 + 4k.. in the high nibbles), then the group's 16
+// scales and 16 minimums. A row's four activation bytes are broadcast to all lanes, so one dpbusd
+// serves 16 outputs and a group's float work (one convert, two multiply-adds) is shared by 16
+// outputs: about a third of the instructions per row of the layout above, which multi-row steps
+// (verification, batched decodes, prefill) need. Lane o of a tile sees one fixed sequence of
+// operations, whatever the rows of the step.
+constexpr int64_t kTile = 16;
+
+template <int Bits>
+constexpr int64_t tile_group_bytes() { return Bits == 4 ? 256 : 512; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+template <int Bits, int R>
+void tile_rows(const uint8_t* codes, const float* scale, const float* min, int64_t groups, const Activations& a,
+               int64_t m, float* y, int64_t ldy) {
+  const int64_t K = groups * 32;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
+  const float* xs = a.scale.data_ptr<float>() + m * groups;
+  const float* xsum = a.sums.data_ptr<float>() + m * groups;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c = codes + g * tile_group_bytes<Bits>();
+    __m512i w[8];
+    if constexpr (Bits == 4) {
+      for (int k = 0; k < 4; ++k) {
+        const __m512i packed = _mm512_loadu_si512(c + 64 * k);
+        w[k] = _mm512_and_si512(packed, low4);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      }
+    } else {
+      for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(c + 64 * k);
+    }
+    const __m512 ws = _mm512_loadu_ps(scale + g * kTile), wm = _mm512_loadu_ps(min + g * kTile);
+    __m512i dots[R][2];  // the rows interleaved, two accumulators each: dpbusds never queue (exact integers)
+    for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k)
+      for (int r = 0; r < R; ++r) {
+        const int32_t word = reinterpret_cast<const int32_t*>(xq + r * K + g * 32)[k];
+        dots[r][k % 2] = _mm512_dpbusd_epi32(dots[r][k % 2], w[k], _mm512_set1_epi32(word));
+      }
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_add_epi32(dots[r][0], dots[r][1]);
+      const __m512 factor = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), factor, acc[r]);
+      acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+#else
+template <int Bits, int R>
+void tile_rows(const uint8_t* codes, const float* scale, const float* min, int64_t groups, const Activations& a,
+               int64_t m, float* y, int64_t ldy) {
+  const int64_t K = groups * 32;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = a.q.data_ptr<int8_t>() + (m + r) * K;
+    const float* xs = a.scale.data_ptr<float>() + (m + r) * groups;
+    const float* xsum = a.sums.data_ptr<float>() + (m + r) * groups;
+    float acc[kTile] = {0};
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* c = codes + g * tile_group_bytes<Bits>();
+      for (int o = 0; o < kTile; ++o) {
+        int32_t dot = 0;
+        for (int k = 0; k < 8; ++k)
+          for (int i = 0; i < 4; ++i) {
+            const int32_t q = Bits == 4 ? (k < 4 ? c[64 * k + 4 * o + i] & 0x0F : c[64 * (k - 4) + 4 * o + i] >> 4)
+                                        : c[64 * k + 4 * o + i];
+            dot += q * static_cast<int32_t>(xq[g * 32 + 4 * k + i]);
+          }
+        acc[o] = std::fma(static_cast<float>(dot), scale[g * kTile + o] * xs[g], acc[o]);
+        acc[o] = std::fma(min[g * kTile + o], xsum[g], acc[o]);
+      }
+    }
+    for (int o = 0; o < kTile; ++o) y[r * ldy + o] = acc[o];
+  }
+}
+#endif
+
+template <int Bits>
+void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                at::Tensor& y) {
+  const int64_t M = a.q.size(0), tiles = codes.size(0), groups = codes.size(1), N = tiles * kTile;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = min.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRows = 6;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();
+      const float* s = sp + t * groups * kTile;
+      const float* mn = mp + t * groups * kTile;
+      float* out = yp + t * kTile;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) tile_rows<Bits, kRows>(c, s, mn, groups, a, m, out + m * N, N);
+      switch (M - m) {
+        case 5: tile_rows<Bits, 5>(c, s, mn, groups, a, m, out + m * N, N); break;
+        case 4: tile_rows<Bits, 4>(c, s, mn, groups, a, m, out + m * N, N); break;
+        case 3: tile_rows<Bits, 3>(c, s, mn, groups, a, m, out + m * N, N); break;
+        case 2: tile_rows<Bits, 2>(c, s, mn, groups, a, m, out + m * N, N); break;
+        case 1: tile_rows<Bits, 1>(c, s, mn, groups, a, m, out + m * N, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                        int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "tiled_matmul: x must be a 2-D float32 tensor");
+  TORCH_CHECK(bits == 4 || bits == 8, "tiled_matmul: bits must be 4 or 8 (codes up to 8 bits in bytes)");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && K % 32 == 0 && codes.size(1) == K / 32 &&
+                  codes.size(2) == (bits == 4 ? 256 : 512),
+              "tiled_matmul: codes [N / 16, K / 32, 256 or 512] do not fit ", K, " inputs");
+  const int64_t tiles = codes.size(0);
+  TORCH_CHECK(scale.sizes() == at::IntArrayRef({tiles, K / 32, kTile}) && min.sizes() == scale.sizes() &&
+                  scale.scalar_type() == at::kFloat && min.scalar_type() == at::kFloat,
+              "tiled_matmul: scale and min must be float32 [N / 16, K / 32, 16]");
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), mc = min.contiguous();
+  at::Tensor y = at::empty({x.size(0), tiles * kTile}, x.options());
+  if (x.size(0) == 0 || tiles == 0) return y;
+  const Activations a = quantize_activations(xc, 32);
+  if (bits == 4) tiled_impl<4>(a, cc, sc, mc, y);
+  else tiled_impl<8>(a, cc, sc, mc, y);
+  return y;
+}
+
 // Which instruction path this build took (for logs and benchmark records).
 std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -395,9 +527,13 @@ std::string isa() {
 
 TORCH_LIBRARY(specserve_cpu, m) {
   m.def("block_matmul(Tensor x, Tensor codes, Tensor scale, Tensor min, int bits, int group) -> Tensor");
+  m.def("tiled_matmul(Tensor x, Tensor codes, Tensor scale, Tensor min, int bits) -> Tensor");
   m.def("isa() -> str");
 }
 
-TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) { m.impl("block_matmul", &block_matmul); }
+TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
+  m.impl("block_matmul", &block_matmul);
+  m.impl("tiled_matmul", &tiled_matmul);
+}
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CatchAll, m) { m.impl("isa", &isa); }

@@ -36,12 +36,14 @@ struct SuperActivations {
   at::Tensor q;     // int8 [M, K]
   at::Tensor scale; // f32 [M, K / 256]
   at::Tensor sums;  // f32 [M, K / sub]: sum of the int8 codes over each weight sub-block (exact)
+  at::Tensor pairs; // int32 [M, K / sub / 2]: those sums as int16 pairs (sub-blocks 2p, 2p + 1), for dpwssd
 };
 
 SuperActivations quantize_rows(const at::Tensor& x, int64_t sub) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kSuper;
   SuperActivations a{at::empty({M, K}, at::kChar), at::empty({M, blocks}, at::kFloat),
-                     at::empty({M, K / sub}, at::kFloat)};
+                     at::empty({M, K / sub}, at::kFloat), at::empty({M, K / sub / 2}, at::kInt)};
+  int32_t* pairs = a.pairs.data_ptr<int32_t>();
   const float* xp = x.data_ptr<float>();
   int8_t* qp = a.q.data_ptr<int8_t>();
   float* sp = a.scale.data_ptr<float>();
@@ -57,11 +59,16 @@ SuperActivations quantize_rows(const at::Tensor& x, int64_t sub) {
         int8_t* qb = qp + m * K + b * kSuper;
         for (int j = 0; j < kSuper; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
         sp[m * blocks + b] = d;
+        int32_t totals[16];
         for (int64_t s = 0; s < kSuper / sub; ++s) {
           int32_t total = 0;
           for (int64_t j = 0; j < sub; ++j) total += qb[s * sub + j];
           sums[m * (K / sub) + b * (kSuper / sub) + s] = static_cast<float>(total);
+          totals[s] = total;
         }
+        for (int64_t p = 0; p < kSuper / sub / 2; ++p)  // |sum| <= 32 * 127: fits int16
+          pairs[m * (K / sub / 2) + b * (kSuper / sub / 2) + p] =
+              static_cast<int32_t>(static_cast<uint16_t>(totals[2 * p]) | (static_cast<uint32_t>(totals[2 * p + 1]) << 16));
       }
     }
   });
@@ -272,6 +279,225 @@ void kquant_impl(const SuperActivations& a, const Weights& w, int64_t N, at::Ten
   });
 }
 
+// The same product over super-blocks repacked in tiles of 16 outputs (`SuperBlockWeight.tiles`):
+// per tile, super-block and 32 inputs, four 64-byte vectors whose lane o holds output o's low code
+// bits of inputs 4k..4k+3 (k < 4) and, in the high nibbles, of inputs 16 + 4k.. (Q6_K: then two
+// vectors of the top two bits, vector k's in bits 2k..2k+1 of the first for k < 4, of the second
+// for k >= 4); then per super-block the sub-scales [subs][16] (and Q4_K's minimums as [4][16][2]
+// pairs) in 256 bytes, d [16] and dmin [16]. One dpbusd of a broadcast activation word serves 16 outputs; the
+// sub-scales apply in integers; the float work is once per output and super-block. Lane o of a
+// tile sees one fixed sequence of operations, whatever the rows of the step.
+constexpr int64_t kTile = 16;
+
+template <int Bits>
+constexpr int64_t tile_code_bytes() { return Bits == 4 ? 2048 : 3072; }  // per tile and super-block
+constexpr int64_t kTileScaleBytes = 256;  // per tile and super-block: sub-scales (+ Q4_K's minimums)
+
+#if KQ_WIDE
+// Rows' dot products with code vectors [First, Last) of 32 inputs, the rows interleaved and each
+// split over two accumulators so that dependent dpbusds never queue (integers: any order is exact).
+template <int R, int First, int Last>
+inline void dots(const __m512i* w, const int8_t* x, int64_t K, __m512i (*dot)[2]) {
+  for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+  for (int k = First; k < Last; ++k)
+    for (int r = 0; r < R; ++r) {
+      const int32_t word = reinterpret_cast<const int32_t*>(x + r * K)[k];
+      dot[r][k % 2] = _mm512_dpbusd_epi32(dot[r][k % 2], w[k], _mm512_set1_epi32(word));
+    }
+}
+
+template <int Bits, int R>
+void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, const float* dmin, int64_t blocks,
+                const SuperActivations& a, int64_t m, float* y, int64_t ldy, int64_t ahead) {
+  constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
+  const int64_t K = blocks * kSuper;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
+  const float* xs = a.scale.data_ptr<float>() + m * blocks;
+  const int32_t* xpairs = a.pairs.data_ptr<int32_t>() + m * (K / sub / 2);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* cb = codes + b * tile_code_bytes<Bits>();
+    const uint8_t* sb = scales + b * kTileScaleBytes;
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int64_t u = 0; u < kSuper / 32; ++u) {  // 32 inputs: eight code vectors
+      const uint8_t* cu = cb + u * (Bits == 4 ? 256 : 384);
+      // The next tile's codes, one tile ahead: a step of several rows computes long enough per
+      // tile that the hardware prefetcher alone leaves the loads waiting on memory.
+      for (int line = 0; line < (Bits == 4 ? 4 : 6); ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(cu + ahead + 64 * line), _MM_HINT_T0);
+      __m512i w[8];
+      for (int k = 0; k < 4; ++k) {
+        const __m512i packed = _mm512_loadu_si512(cu + 64 * k);
+        w[k] = _mm512_and_si512(packed, low4);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      }
+      if constexpr (Bits == 6) {
+        for (int h = 0; h < 2; ++h) {
+          const __m512i hb = _mm512_loadu_si512(cu + 256 + 64 * h);
+          w[4 * h + 0] = _mm512_or_si512(w[4 * h + 0], _mm512_and_si512(_mm512_slli_epi16(hb, 4), top2));
+          w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), top2));
+          w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(hb, top2));
+          w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), top2));
+        }
+      }
+      if constexpr (Bits == 4) {  // one sub-block of 32: one scale per output
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * u)));
+        __m512i dot[R][2];
+        dots<R, 0, 8>(w, xq + b * kSuper + 32 * u, K, dot);
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot[r][0], dot[r][1]), sc));
+      } else {  // two sub-blocks of 16: vectors 0-3 and 4-7
+        const int8_t* s8 = reinterpret_cast<const int8_t*>(sb);
+        const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8 + 16 * (2 * u))));
+        const __m512i sc1 =
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8 + 16 * (2 * u + 1))));
+        __m512i dot0[R][2], dot1[R][2];
+        dots<R, 0, 4>(w, xq + b * kSuper + 32 * u, K, dot0);
+        dots<R, 4, 8>(w, xq + b * kSuper + 32 * u, K, dot1);
+        for (int r = 0; r < R; ++r) {
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot0[r][0], dot0[r][1]), sc0));
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(_mm512_add_epi32(dot1[r][0], dot1[r][1]), sc1));
+        }
+      }
+    }
+    // The offsets: Q4_K's minimums (-dmin * m * sum), Q6_K's -32 * sc * sum, as int16 pairs
+    constexpr int kPairs = subs / 2;
+    __m512i off[kPairs];
+    for (int p = 0; p < kPairs; ++p) {
+      if constexpr (Bits == 4) {  // stored as pairs
+        off[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * p)));
+      } else {  // the sub-scales of sub-blocks 2p and 2p + 1, interleaved per output
+        const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * (2 * p)));
+        const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * (2 * p + 1)));
+        off[p] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd)));
+      }
+    }
+    const __m512 dv = _mm512_loadu_ps(d + b * kTile);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xp = xpairs + r * (K / sub / 2) + b * kPairs;
+      __m512i osum = _mm512_setzero_si512();
+      for (int p = 0; p < kPairs; ++p) osum = _mm512_dpwssd_epi32(osum, off[p], _mm512_set1_epi32(xp[p]));
+      const __m512 x_scale = _mm512_set1_ps(xs[r * blocks + b]);
+      if constexpr (Bits == 4) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dv, x_scale), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(osum), _mm512_mul_ps(_mm512_loadu_ps(dmin + b * kTile), x_scale),
+                                  acc[r]);
+      } else {
+        const __m512i total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32(osum, 5));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dv, x_scale), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+#else
+template <int Bits, int R>
+void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, const float* dmin, int64_t blocks,
+                const SuperActivations& a, int64_t m, float* y, int64_t ldy, int64_t) {
+  constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
+  const int64_t K = blocks * kSuper;
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = a.q.data_ptr<int8_t>() + (m + r) * K;
+    const float* xs = a.scale.data_ptr<float>() + (m + r) * blocks;
+    const float* xsum = a.sums.data_ptr<float>() + (m + r) * (K / sub);
+    for (int o = 0; o < kTile; ++o) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* cb = codes + b * tile_code_bytes<Bits>();
+        const uint8_t* sb = scales + b * kTileScaleBytes;
+        int32_t isum = 0, osum = 0;
+        for (int64_t u = 0; u < kSuper / 32; ++u) {
+          const uint8_t* cu = cb + u * (Bits == 4 ? 256 : 384);
+          for (int k = 0; k < 8; ++k) {
+            int32_t dot = 0;
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = cu[64 * (k % 4) + 4 * o + i];
+              int32_t q = k < 4 ? (byte & 0x0F) : (byte >> 4);
+              if constexpr (Bits == 6) q |= ((cu[256 + 64 * (k / 4) + 4 * o + i] >> (2 * (k % 4))) & 0x03) << 4;
+              dot += q * static_cast<int32_t>(xq[b * kSuper + 32 * u + 4 * k + i]);
+            }
+            const int64_t j = Bits == 4 ? u : 2 * u + k / 4;  // sub-block
+            const int32_t sc = Bits == 4 ? sb[16 * j + o] : reinterpret_cast<const int8_t*>(sb)[16 * j + o];
+            isum += dot * sc;
+          }
+        }
+        for (int64_t j = 0; j < subs; ++j) {
+          const int32_t s = static_cast<int32_t>(xsum[b * subs + j]);
+          osum += (Bits == 4 ? sb[128 + 32 * (j / 2) + 2 * o + j % 2] : reinterpret_cast<const int8_t*>(sb)[16 * j + o]) * s;
+        }
+        const float x_scale = xs[b];
+        if constexpr (Bits == 4) {
+          acc = std::fma(static_cast<float>(isum), d[b * kTile + o] * x_scale, acc);
+          acc = std::fma(-static_cast<float>(osum), dmin[b * kTile + o] * x_scale, acc);
+        } else {
+          acc = std::fma(static_cast<float>(isum - 32 * osum), d[b * kTile + o] * x_scale, acc);
+        }
+      }
+      y[r * ldy + o] = acc;
+    }
+  }
+}
+#endif
+
+template <int Bits>
+void ktiled_impl(const SuperActivations& a, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& d,
+                 const at::Tensor& dmin, at::Tensor& y) {
+  const int64_t M = a.q.size(0), tiles = codes.size(0), blocks = codes.size(1), N = tiles * kTile;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* dmp = Bits == 4 ? dmin.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRows = 6;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* c = cp + t * blocks * tile_code_bytes<Bits>();
+      const uint8_t* s = sp + t * blocks * kTileScaleBytes;
+      const float* dt = dp + t * blocks * kTile;
+      const float* dmt = Bits == 4 ? dmp + t * blocks * kTile : nullptr;
+      float* out = yp + t * kTile;
+      const int64_t ahead = t + 1 < end ? blocks * tile_code_bytes<Bits>() : 0;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) ktile_rows<Bits, kRows>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead);
+      switch (M - m) {
+        case 5: ktile_rows<Bits, 5>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
+        case 4: ktile_rows<Bits, 4>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
+        case 3: ktile_rows<Bits, 3>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
+        case 2: ktile_rows<Bits, 2>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
+        case 1: ktile_rows<Bits, 1>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
+        default: break;
+      }
+    }
+  });
+}
+
+at::Tensor kquant_tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                               const at::Tensor& d, const at::Tensor& dmin, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kquant_tiled_matmul: x must be a 2-D float32 tensor");
+  TORCH_CHECK(bits == 4 || bits == 6, "kquant_tiled_matmul: bits must be 4 (Q4_K) or 6 (Q6_K)");
+  const int64_t K = x.size(1), tiles = codes.size(0), blocks = K / kSuper;
+  const int64_t code_bytes = bits == 4 ? tile_code_bytes<4>() : tile_code_bytes<6>();
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && K % kSuper == 0 && codes.size(1) == blocks &&
+                  codes.size(2) == code_bytes,
+              "kquant_tiled_matmul: codes [N / 16, K / 256, ", code_bytes, "] do not fit ", K, " inputs");
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.sizes() == at::IntArrayRef({tiles, blocks, 256}),
+              "kquant_tiled_matmul: scales must be uint8 [N / 16, K / 256, 256]");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.sizes() == at::IntArrayRef({tiles, blocks, kTile}) &&
+                  (bits == 6 || (dmin.scalar_type() == at::kFloat && dmin.sizes() == d.sizes())),
+              "kquant_tiled_matmul: d (and Q4_K's dmin) must be float32 [N / 16, K / 256, 16]");
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scales.contiguous(), dc = d.contiguous(),
+                   dmc = dmin.contiguous();
+  at::Tensor y = at::empty({x.size(0), tiles * kTile}, x.options());
+  if (x.size(0) == 0 || tiles == 0) return y;
+  const SuperActivations a = quantize_rows(xc, bits == 4 ? 32 : 16);
+  if (bits == 4) ktiled_impl<4>(a, cc, sc, dc, dmc, y);
+  else ktiled_impl<6>(a, cc, sc, dc, dmc, y);
+  return y;
+}
+
 at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& high,
                          const at::Tensor& sub_scale, const at::Tensor& sub_min, const at::Tensor& d,
                          const at::Tensor& dmin, int64_t bits) {
@@ -312,6 +538,10 @@ at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& codes, const at:
 TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
   m.def("kquant_matmul(Tensor x, Tensor codes, Tensor high, Tensor sub_scale, Tensor sub_min, Tensor d, "
         "Tensor dmin, int bits) -> Tensor");
+  m.def("kquant_tiled_matmul(Tensor x, Tensor codes, Tensor scales, Tensor d, Tensor dmin, int bits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) { m.impl("kquant_matmul", &kquant_matmul); }
+TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
+  m.impl("kquant_matmul", &kquant_matmul);
+  m.impl("kquant_tiled_matmul", &kquant_tiled_matmul);
+}

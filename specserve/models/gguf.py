@@ -25,7 +25,11 @@ QK_K = 256  # elements per K-quant super-block
 
 
 class QuantizedRows:
-    """What both layouts share: every tensor field is indexed by the weight's rows."""
+    """What both layouts share: every tensor field is indexed by the weight's rows; `tiles()`, the
+    weights repacked for this CPU's fastest kernel (or None), kept beside them once made."""
+
+    def tiles(self) -> tuple[torch.Tensor, ...] | None:
+        raise NotImplementedError
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
@@ -73,8 +77,22 @@ class BlockWeight(QuantizedRows):
         return self.scale.shape[0], self.scale.shape[1] * self.group
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` in fp32 (activations quantized per 32 inputs; `kernels/cpu/block_matmul.cpp`)."""
+        """`x @ W.T` in fp32 (activations quantized per 32 inputs; `kernels/cpu/block_matmul.cpp`),
+        over the tiles where this CPU has them (the same arithmetic per output, other instructions)."""
+        tiles = self.tiles()
+        if tiles is not None:
+            return native.tiled_matmul(x, *tiles, 4 if self.bits == 4 else 8)
         return native.block_matmul(x, self.codes, self.scale, self.min, self.bits, self.group)
+
+    def tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The weights repacked for `native.tiled_matmul` (made once, kept beside the blocks): on a
+        CPU with AVX-512 VNNI, for groups of 32 and a multiple of 16 rows; else None."""
+        cached = self.__dict__.get("_tiles", False)
+        if cached is False:
+            usable = native.isa() == "avx512-vnni" and self.group == 32 and self.shape[0] % 16 == 0
+            tiles = tile_blocks(self.values(), self.scale, self.min, self.bits) if usable else None
+            cached = self.__dict__["_tiles"] = tiles
+        return cached
 
     def values(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """The integer codes of `rows`, one per weight, as uint8 [len(rows), cols]."""
@@ -142,9 +160,22 @@ class SuperBlockWeight(QuantizedRows):
         return 32 if self.bits == 4 else 16
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` in fp32 (activations quantized per 256 inputs; `kernels/cpu/kquant_matmul.cpp`)."""
+        """`x @ W.T` in fp32 (activations quantized per 256 inputs; `kernels/cpu/kquant_matmul.cpp`),
+        over the tiles where this CPU has them."""
+        tiles = self.tiles()
+        if tiles is not None:
+            return native.kquant_tiled_matmul(x, *tiles, self.bits)
         return native.kquant_matmul(x, self.codes, self.high, self.sub_scale, self.sub_min, self.d, self.dmin,
                                     self.bits)
+
+    def tiles(self) -> tuple[torch.Tensor, ...] | None:
+        """The super-blocks repacked for `native.kquant_tiled_matmul` (made once, kept beside them): on
+        a CPU with AVX-512 VNNI and for a multiple of 16 rows; else None."""
+        cached = self.__dict__.get("_tiles", False)
+        if cached is False:
+            usable = native.isa() == "avx512-vnni" and self.shape[0] % 16 == 0
+            cached = self.__dict__["_tiles"] = tile_super_blocks(self) if usable else None
+        return cached
 
     def values(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """The integer codes of `rows` (0-15 or 0-63), one per weight, as uint8 [len(rows), cols]."""
@@ -174,6 +205,42 @@ def pack_nibbles(q: np.ndarray, span: int = 32) -> np.ndarray:
     j in its low nibble and column j + span / 2 in its high nibble."""
     spans = q.reshape(q.shape[0], -1, 2, span // 2)
     return (spans[:, :, 0, :] | (spans[:, :, 1, :] << 4)).reshape(q.shape[0], -1)
+
+
+def tile_blocks(codes: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor,
+                bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [rows, cols] and per-32 scale and minimum in the tiled layout of `tiled_matmul`: per 16
+    rows and 32 columns, lane o of vector k holds row o's codes of columns 4k..4k+3 (4-bit: vectors
+    0-3, columns 16 + 4k.. in the high nibbles), then the 16 rows' scales and minimums."""
+    rows, cols = codes.shape
+    v = codes.view(rows // 16, 16, cols // 32, 8, 4).permute(0, 2, 3, 1, 4)  # tile, group, k, row, byte
+    if bits == 4:
+        v = v[:, :, :4] | (v[:, :, 4:] << 4)
+    per_tile = lambda t: t.view(rows // 16, 16, cols // 32).transpose(1, 2).contiguous()  # noqa: E731
+    return v.reshape(rows // 16, cols // 32, -1).contiguous(), per_tile(scale), per_tile(min_)
+
+
+def tile_super_blocks(w: SuperBlockWeight) -> tuple[torch.Tensor, ...]:
+    """A K-quant weight in the tiled layout of `kquant_tiled_matmul` (see kernels/cpu/kquant_matmul.cpp):
+    codes [rows / 16, blocks, 2048 | 3072], sub-scales (and Q4_K's minimums) [rows / 16, blocks, 256],
+    d and dmin [rows / 16, blocks, 16]."""
+    rows, cols = w.shape
+    tiles, blocks = rows // 16, cols // QK_K
+    q = w.values().view(tiles, 16, blocks, 8, 8, 4).permute(0, 2, 3, 4, 1, 5)  # tile, block, 32 inputs, k, row, byte
+    parts = [q[:, :, :, :4] & 0x0F | (q[:, :, :, 4:] & 0x0F) << 4]
+    if w.bits == 6:
+        top, weights = q >> 4, torch.tensor([1, 4, 16, 64], dtype=torch.uint8).view(4, 1, 1)  # bits 2k..2k+1
+        parts += [(top[:, :, :, 4 * h:4 * h + 4] * weights).sum(dim=3, dtype=torch.uint8) for h in range(2)]
+    codes = torch.cat([p.reshape(tiles, blocks, 8, -1) for p in parts], dim=3).reshape(tiles, blocks, -1)
+    per_tile = lambda t: t.view(tiles, 16, blocks, -1).permute(0, 2, 3, 1)  # noqa: E731  tile, block, sub, row
+    if w.bits == 4:
+        mins = w.sub_min.view(tiles, 16, blocks, 4, 2).permute(0, 2, 3, 1, 4)  # tile, block, pair, row, 2
+        scales = torch.cat([per_tile(w.sub_scale).reshape(tiles, blocks, -1), mins.reshape(tiles, blocks, -1)], dim=2)
+    else:
+        scales = per_tile(w.sub_scale.view(torch.uint8)).reshape(tiles, blocks, -1)
+    d = w.d.view(tiles, 16, blocks).transpose(1, 2).contiguous()
+    dmin = w.dmin.view(tiles, 16, blocks).transpose(1, 2).contiguous() if w.bits == 4 else w.dmin
+    return codes.contiguous(), scales.contiguous(), d, dmin
 
 
 def pack_high_bits(high: np.ndarray) -> np.ndarray:

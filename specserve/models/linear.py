@@ -69,6 +69,8 @@ class Projection(nn.Module):
         self.fused_bias = torch.cat([b.float() for b in biases]) if biases else None
         fused = QuantizedRows.stack(list(blocks))
         self.quantized = [fused] if fused is not None else list(blocks)
+        for weight in self.quantized:
+            weight.tiles()  # this CPU's layout made now, not in the first request's step
 
     def requantize(self, bits: int) -> None:
         """Plain weights into blocks of `bits` (`BlockWeight.quantize`) that the CPU kernel runs."""

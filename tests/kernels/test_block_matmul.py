@@ -6,18 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.native import isa
-from specserve.models.gguf import SuperBlockWeight, decode_blocks
+from kernels.native import isa, tiled_matmul
+from specserve.models.gguf import SuperBlockWeight, decode_blocks, tile_blocks
 from tests.specserve.models.test_gguf import random_blocks
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q8_0"]
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """What the kernel multiplies: x rounded to int8 per block of inputs with scale max|x| / 127."""
-    blocks = x.double().view(x.shape[0], -1, block)
+    """What the kernel multiplies: x rounded to int8 per block of inputs with scale max|x| / 127,
+    in the kernel's own float32 steps (a double-precision quotient rounds some halves otherwise)."""
+    blocks = x.float().view(x.shape[0], -1, block)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(blocks / torch.where(scale == 0, 1, scale)) * scale).view_as(x)
+    inverse = torch.where(scale == 0, 0, 1 / scale)
+    return (torch.round(blocks * inverse).double() * scale.double()).view_as(x)
 
 
 def activation_block(weight) -> int:
@@ -34,11 +36,12 @@ def test_the_build_names_its_instruction_path():
 
 @pytest.mark.parametrize("type_name", FORMATS)
 @pytest.mark.parametrize("odd_spans", [False, True])  # 512-bit kernels pair 32-column spans
-def test_computes_quantized_activations_times_the_dequantized_weights(type_name, odd_spans):
+@pytest.mark.parametrize("rows", [40, 48])  # 48: whole tiles of 16 rows (the tiled layout, where the CPU has it)
+def test_computes_quantized_activations_times_the_dequantized_weights(type_name, odd_spans, rows):
     if odd_spans and type_name.endswith("_K"):
         pytest.skip("K-quant rows are whole 256-column blocks: always an even number of spans")
     cols = 96 if odd_spans else 768
-    weight = decode_blocks(random_blocks(type_name, 40, cols), type_name, 40)
+    weight = decode_blocks(random_blocks(type_name, rows, cols), type_name, rows)
     x = torch.randn(5, cols)
     expected = quantized_activations(x, activation_block(weight)) @ weight.dequantize().double().T
     got = run(x, weight).double()
@@ -49,9 +52,10 @@ def test_computes_quantized_activations_times_the_dequantized_weights(type_name,
 
 
 @pytest.mark.parametrize("type_name", FORMATS)
-def test_each_row_is_computed_as_if_alone(type_name):
+@pytest.mark.parametrize("rows", [33, 32])
+def test_each_row_is_computed_as_if_alone(type_name, rows):
     cols = 512 if type_name.endswith("_K") else 544  # 17 spans: the odd path too
-    weight = decode_blocks(random_blocks(type_name, 33, cols), type_name, 33)
+    weight = decode_blocks(random_blocks(type_name, rows, cols), type_name, rows)
     x = torch.randn(70, cols) * torch.logspace(-2, 2, 70).unsqueeze(1)
     alone = torch.cat([run(x[i:i + 1], weight) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 8, 9, 17, 64, 70):
@@ -72,3 +76,17 @@ def test_refuses_what_it_cannot_compute(type_name):
         run(torch.randn(2, 256, dtype=torch.float64), weight)
     with pytest.raises(RuntimeError, match="do not fit"):
         run(torch.randn(2, 288), weight)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_the_tiled_layout_computes_what_the_blocks_do(type_name):
+    """Called directly, so that every instruction path checks its own version of it."""
+    weight = decode_blocks(random_blocks(type_name, 32, 160), type_name, 32)
+    x = torch.randn(11, 160)
+    tiled = tiled_matmul(x, *tile_blocks(weight.values(), weight.scale, weight.min, weight.bits),
+                         4 if weight.bits == 4 else 8)
+    expected = quantized_activations(x, 32) @ weight.dequantize().double().T
+    assert torch.allclose(tiled.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert torch.equal(torch.cat([tiled_matmul(x[i:i + 1], *tile_blocks(weight.values(), weight.scale, weight.min,
+                                                                          weight.bits), 4 if weight.bits == 4 else 8)
+                                  for i in range(len(x))]), tiled)
