@@ -61,7 +61,7 @@ def build_key() -> str:
     except OSError:
         pass
     digest = hashlib.sha256()
-    sources = [*SOURCES, SOURCES[0].parent / "fixed_order.h"]
+    sources = [*SOURCES, SOURCES[0].parent / "fixed_order.h", SOURCES[0].parent / "int8_rows.h"]
     for part in (flags, *_cflags(), *(s.read_text() for s in sources), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "int8_rows.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -33,9 +35,6 @@ struct Activations {
   at::Tensor lanes;   // f32 [M, K / 4]: each block's scale once per int32 lane (512-bit path)
 };
 
-// Round to nearest, ties to even, as cvtps2dq does: the same integers on every CPU.
-inline int32_t round_even(float v) { return static_cast<int32_t>(std::nearbyint(v)); }
-
 Activations quantize_activations(const at::Tensor& x, int64_t group) {
   const int64_t M = x.size(0), K = x.size(1);
   Activations a{at::empty({M, K}, at::kChar), at::empty({M, K / kActBlock}, at::kFloat),
@@ -47,13 +46,8 @@ Activations quantize_activations(const at::Tensor& x, int64_t group) {
   float* sump = a.sums.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / kActBlock; ++b) {
-      const float* xb = xp + m * K + b * kActBlock;
-      float amax = 0.f;
-      for (int j = 0; j < kActBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
       int8_t* qb = qp + m * K + b * kActBlock;
-      for (int j = 0; j < kActBlock; ++j) qb[j] = static_cast<int8_t>(round_even(xb[j] * id));
+      const float d = specserve::quantize_int8_block(xp + m * K + b * kActBlock, kActBlock, qb);
       sp[m * (K / kActBlock) + b] = d;
       for (int j = 0; j < kActBlock / 4; ++j) lp[m * (K / 4) + b * (kActBlock / 4) + j] = d;
       for (int64_t g = 0; g < kActBlock / group; ++g) {
@@ -468,23 +462,16 @@ void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor&
   const float* sp = scale.data_ptr<float>();
   const float* mp = min.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRows = 6;
+  constexpr int kRows = 6;  // six rows' accumulators and the tile's codes fill the 32 vector registers
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();
       const float* s = sp + t * groups * kTile;
       const float* mn = mp + t * groups * kTile;
       float* out = yp + t * kTile;
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) tile_rows<Bits, kRows>(c, s, mn, groups, a, m, out + m * N, N);
-      switch (M - m) {
-        case 5: tile_rows<Bits, 5>(c, s, mn, groups, a, m, out + m * N, N); break;
-        case 4: tile_rows<Bits, 4>(c, s, mn, groups, a, m, out + m * N, N); break;
-        case 3: tile_rows<Bits, 3>(c, s, mn, groups, a, m, out + m * N, N); break;
-        case 2: tile_rows<Bits, 2>(c, s, mn, groups, a, m, out + m * N, N); break;
-        case 1: tile_rows<Bits, 1>(c, s, mn, groups, a, m, out + m * N, N); break;
-        default: break;
-      }
+      specserve::for_row_tiles<kRows>(M, [&](auto rows, int64_t m) {
+        tile_rows<Bits, decltype(rows)::value>(c, s, mn, groups, a, m, out + m * N, N);
+      });
     }
   });
 }

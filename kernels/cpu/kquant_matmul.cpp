@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "int8_rows.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KQ_WIDE 1
@@ -51,14 +53,8 @@ SuperActivations quantize_rows(const at::Tensor& x, int64_t sub) {
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
-        const float* xb = xp + m * K + b * kSuper;
-        float amax = 0.f;
-        for (int j = 0; j < kSuper; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
-        const float d = amax / 127.f;
-        const float id = d != 0.f ? 1.f / d : 0.f;
         int8_t* qb = qp + m * K + b * kSuper;
-        for (int j = 0; j < kSuper; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-        sp[m * blocks + b] = d;
+        sp[m * blocks + b] = specserve::quantize_int8_block(xp + m * K + b * kSuper, kSuper, qb);
         int32_t totals[16];
         for (int64_t s = 0; s < kSuper / sub; ++s) {
           int32_t total = 0;
@@ -260,21 +256,12 @@ template <int Bits>
 void kquant_impl(const SuperActivations& a, const Weights& w, int64_t N, at::Tensor& y) {
   const int64_t M = a.q.size(0);
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRows = 8;
+  constexpr int kRows = 8;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) output_rows<Bits, kRows>(w, n, a, m, yp + m * N + n, N);
-      switch (M - m) {
-        case 7: output_rows<Bits, 7>(w, n, a, m, yp + m * N + n, N); break;
-        case 6: output_rows<Bits, 6>(w, n, a, m, yp + m * N + n, N); break;
-        case 5: output_rows<Bits, 5>(w, n, a, m, yp + m * N + n, N); break;
-        case 4: output_rows<Bits, 4>(w, n, a, m, yp + m * N + n, N); break;
-        case 3: output_rows<Bits, 3>(w, n, a, m, yp + m * N + n, N); break;
-        case 2: output_rows<Bits, 2>(w, n, a, m, yp + m * N + n, N); break;
-        case 1: output_rows<Bits, 1>(w, n, a, m, yp + m * N + n, N); break;
-        default: break;
-      }
+      specserve::for_row_tiles<kRows>(M, [&](auto rows, int64_t m) {
+        output_rows<Bits, decltype(rows)::value>(w, n, a, m, yp + m * N + n, N);
+      });
     }
   });
 }
@@ -451,7 +438,7 @@ void ktiled_impl(const SuperActivations& a, const at::Tensor& codes, const at::T
   const float* dp = d.data_ptr<float>();
   const float* dmp = Bits == 4 ? dmin.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRows = 6;
+  constexpr int kRows = 6;  // six rows' accumulators and a sub-block's codes fill the 32 vector registers
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* c = cp + t * blocks * tile_code_bytes<Bits>();
@@ -460,16 +447,9 @@ void ktiled_impl(const SuperActivations& a, const at::Tensor& codes, const at::T
       const float* dmt = Bits == 4 ? dmp + t * blocks * kTile : nullptr;
       float* out = yp + t * kTile;
       const int64_t ahead = t + 1 < end ? blocks * tile_code_bytes<Bits>() : 0;
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) ktile_rows<Bits, kRows>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead);
-      switch (M - m) {
-        case 5: ktile_rows<Bits, 5>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
-        case 4: ktile_rows<Bits, 4>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
-        case 3: ktile_rows<Bits, 3>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
-        case 2: ktile_rows<Bits, 2>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
-        case 1: ktile_rows<Bits, 1>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead); break;
-        default: break;
-      }
+      specserve::for_row_tiles<kRows>(M, [&](auto rows, int64_t m) {
+        ktile_rows<Bits, decltype(rows)::value>(c, s, dt, dmt, blocks, a, m, out + m * N, N, ahead);
+      });
     }
   });
 }

@@ -72,6 +72,14 @@ class Projection(nn.Module):
         for weight in self.quantized:
             weight.tiles()  # this CPU's layout made now, not in the first request's step
 
+    def restore_quantized(self, weights: Sequence[QuantizedRows], fused_bias: torch.Tensor | None) -> None:
+        """Take weights as `load_quantized` left them (fused, tiles made), e.g. from prepared weights."""
+        if sum(w.shape[0] for w in weights) != sum(self.out_sizes) or any(w.shape[1] != self.in_features
+                                                                           for w in weights):
+            raise ValueError(f"weights {[w.shape for w in weights]} do not fit a projection "
+                             f"{self.in_features} -> {self.out_sizes}")
+        self.quantized, self.fused_bias = list(weights), fused_bias
+
     def requantize(self, bits: int) -> None:
         """Plain weights into blocks of `bits` (`BlockWeight.quantize`) that the CPU kernel runs."""
         if self.quantized:

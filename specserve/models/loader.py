@@ -8,6 +8,7 @@ tensors from the checkpoint: norms and embeddings as parameters, projections as 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import struct
 from pathlib import Path
@@ -16,18 +17,22 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specserve.models import prepared
 from specserve.models.config import ModelConfig
 from specserve.models.gguf import GGUFWeights, QuantizedRows
 from specserve.models.linear import Projection, QuantizedEmbedding, packing_available
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 from specserve.pull import GGUF_FILE
 
+log = logging.getLogger(__name__)
+
 # auto: a GGUF's own quantized blocks (fp32 activations), else the checkpoint's weights;
 # none: plain weights, a GGUF's dequantized exactly (see `load_gguf`);
 # int8 / int4: any checkpoint's plain weights requantized into blocks (`BlockWeight.quantize`).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 REQUANTIZE_BITS = {"int8": 8, "int4": 4}
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
+                      "I8": torch.int8, "I32": torch.int32}
 
 
 def default_dtype() -> torch.dtype:
@@ -197,6 +202,24 @@ def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, 
     if quantized and dtype != torch.float32:
         raise ValueError(f"quantized GGUF weights compute in float32, not {dtype}: leave the dtype unset, or "
                          f"serve the dequantized weights with quantization none")
+    if not quantized:
+        return _build_gguf(file, config, dtype, quantized)
+    cached = prepared.prepared_path(file)
+    if cached.exists():
+        try:
+            return prepared.load(cached, config)
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:  # unreadable: prepare it again
+            log.warning("prepared weights %s unusable (%s); preparing them again", cached, e)
+    model = _build_gguf(file, config, dtype, quantized)
+    try:
+        if prepared.save(model, cached):
+            log.info("prepared weights saved to %s: later starts map them", cached)
+    except OSError as e:  # a full or read-only cache only costs the next start its time
+        log.warning("could not save prepared weights to %s: %s", cached, e)
+    return model
+
+
+def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool) -> LlamaForCausalLM:
     source = GGUFWeights(file, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                          llama_rope_order=config.model_type in ("llama", "mistral"))
     pack = not quantized and packing_available(dtype)

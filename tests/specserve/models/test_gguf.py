@@ -124,9 +124,12 @@ def write_gguf(hf_dir, path):
 
 
 @pytest.fixture
-def gguf_model(tiny_checkpoint):
+def gguf_model(tiny_checkpoint, tmp_path, monkeypatch):
+    from kernels import native
     from specserve.pull import GGUF_FILE
 
+    native.load()  # built where the real cache keeps it; the prepared weights then go to a temporary one
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     directory = tiny_checkpoint("llama", seed=3, tie_word_embeddings=False)
     write_gguf(directory, directory / GGUF_FILE)
     return directory
@@ -206,3 +209,32 @@ def test_any_checkpoint_requantizes_and_verifies_with_the_bits_of_its_decodes(ti
     exact, _ = run_chain_and_decodes(load_model(directory, torch.float32, "none"), [5, 9, 2, 7, 1],
                                      [3, 8, 8, 4, 6, 2, 1, 9])
     assert (chain - exact).norm() / exact.norm() < (0.05 if quantization == "int8" else 0.25)
+
+
+def test_later_loads_map_the_prepared_weights_and_compute_the_same_bits(gguf_model, monkeypatch):
+    """The first load saves the weights as the kernels take them; the next maps them, never
+    reading the GGUF again, and its forward gives the same bits."""
+    from specserve.models import loader, prepared
+    from specserve.pull import GGUF_FILE
+
+    first = loader.load_model(gguf_model)
+    saved = prepared.prepared_path(gguf_model / GGUF_FILE)
+    assert saved.exists()
+    monkeypatch.setattr(loader, "GGUFWeights", None)  # the second load must not open the GGUF
+    second = loader.load_model(gguf_model)
+    assert second.weight_format() == first.weight_format()
+    assert not any(t.is_meta for t in [*second.parameters(), *second.buffers()])
+    assert torch.equal(run_chain_and_decodes(first, [5, 9, 2], [7, 1, 4])[0],
+                       run_chain_and_decodes(second, [5, 9, 2], [7, 1, 4])[0])
+
+
+def test_an_unreadable_prepared_file_is_prepared_again(gguf_model):
+    from specserve.models import loader, prepared
+    from specserve.pull import GGUF_FILE
+
+    loader.load_model(gguf_model)
+    saved = prepared.prepared_path(gguf_model / GGUF_FILE)
+    saved.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    model = loader.load_model(gguf_model)
+    assert model.weight_format().startswith("GGUF blocks")
+    assert prepared.load(saved, model.config).weight_format() == model.weight_format()

@@ -1,0 +1,38 @@
+// What the quantized matmuls share: activations rounded to int8 per block, and steps cut into
+// tiles of rows whose sizes are compile-time constants (each row's arithmetic stays its own).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace specserve {
+
+// x[0, n) as int8 codes with scale max|x| / 127, rounded to nearest, ties to even (cvtps2dq's
+// rounding: the same integers on every CPU); returns the scale.
+inline float quantize_int8_block(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < n; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+  const float d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  for (int64_t j = 0; j < n; ++j) q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
+  return d;
+}
+
+template <int R, typename F>
+inline void row_tile_rest(int64_t rest, int64_t m, F& f) {
+  if constexpr (R > 0) {
+    if (rest == R) f(std::integral_constant<int, R>{}, m);
+    else row_tile_rest<R - 1>(rest, m, f);
+  }
+}
+
+// f(std::integral_constant<int, R>{}, m) for rows [m, m + R): tiles of kRows, then one smaller.
+template <int kRows, typename F>
+inline void for_row_tiles(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) f(std::integral_constant<int, kRows>{}, m);
+  row_tile_rest<kRows - 1>(M - m, m, f);
+}
+
+}  // namespace specserve
