@@ -86,6 +86,9 @@ def _mapped_tensors(file: Path, mappings: list[mmap.mmap]) -> dict[str, torch.Te
         dtype = SAFETENSORS_DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         count, offset = (end - start) // dtype.itemsize, 8 + header_len + start
+        if count == 0:  # frombuffer refuses empty views
+            tensors[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
         tensors[name] = torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset).view(info["shape"])
     return tensors
 

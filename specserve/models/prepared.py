@@ -39,15 +39,20 @@ def prepared_path(file: Path) -> Path:
 
     stat = file.stat()
     digest = hashlib.sha256()
-    for part in (str(file.resolve()), str(stat.st_size), str(stat.st_mtime_ns), native.build_key(), str(SCHEMA),
+    for part in (str(stat.st_size), str(stat.st_mtime_ns), native.build_key(), str(SCHEMA),
                  Path(gguf.__file__).read_text(), Path(linear.__file__).read_text()):
         digest.update(part.encode())
-    return cache_dir() / "prepared" / f"{file.parent.name}-{digest.hexdigest()[:16]}.safetensors"
+    return cache_dir() / "prepared" / f"{_file_prefix(file)}{digest.hexdigest()[:16]}.safetensors"
+
+
+def _file_prefix(file: Path) -> str:
+    """The part of the name that says which GGUF: every version of its prepared weights shares it."""
+    return f"{file.parent.name}-{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:8]}-"
 
 
 def save(model: LlamaForCausalLM, path: Path) -> bool:
-    """Write the model's prepared weights to `path`; False (nothing written) for a model with dense
-    projections or embeddings, which load fast anyway."""
+    """Write the model's prepared weights to `path` (older versions of them for the same GGUF are
+    removed); False (nothing written) for a model with dense projections or embeddings."""
     tensors: dict[str, torch.Tensor] = {}
     saved: dict[int, str] = {}  # weight object -> its key (a tied head shares the embedding's)
 
@@ -80,7 +85,14 @@ def save(model: LlamaForCausalLM, path: Path) -> bool:
     partial = path.with_suffix(f".{os.getpid()}.partial")
     save_file(tensors, str(partial), metadata={"specserve": json.dumps(layout)})
     partial.replace(path)  # whole or absent: a crash mid-write leaves no half file under the real name
+    for stale in path.parent.glob(f"{_file_prefix_of(path)}*.safetensors"):
+        if stale != path:  # the same GGUF prepared for other kernels or layouts: never read again
+            stale.unlink(missing_ok=True)
     return True
+
+
+def _file_prefix_of(path: Path) -> str:
+    return path.name[: -len("0123456789abcdef.safetensors")]
 
 
 def load(path: Path, config: ModelConfig) -> LlamaForCausalLM:

@@ -238,3 +238,17 @@ def test_an_unreadable_prepared_file_is_prepared_again(gguf_model):
     model = loader.load_model(gguf_model)
     assert model.weight_format().startswith("GGUF blocks")
     assert prepared.load(saved, model.config).weight_format() == model.weight_format()
+
+
+def test_prepared_files_map_empty_fields_too(tmp_path):
+    """Q6_K has no minimums: its empty fields must survive the file (a mapped view cannot be empty)."""
+    from safetensors.torch import save_file
+
+    from specserve.models.loader import _mapped_tensors
+
+    weight = decode_blocks(random_blocks("Q6_K", 16, 256), "Q6_K", 16)
+    save_file({name: t.contiguous() for name, t in weight._tensors().items()}, str(tmp_path / "w.safetensors"))
+    mapped = _mapped_tensors(tmp_path / "w.safetensors", [])
+    assert {name: (t.shape, t.dtype) for name, t in mapped.items()} == \
+        {name: (t.shape, t.dtype) for name, t in weight._tensors().items()}
+    assert torch.equal(type(weight)(**mapped, bits=6, source_type="Q6_K").dequantize(), weight.dequantize())
