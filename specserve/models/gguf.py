@@ -29,6 +29,17 @@ class QuantizedRows:
     weights repacked for this CPU's fastest kernel (or None), kept beside them once made."""
 
     def tiles(self) -> tuple[torch.Tensor, ...] | None:
+        """The weights in this CPU's layout for the fastest kernel (made once, kept beside them), or
+        None where the stored layout is the one the kernel takes."""
+        if "_tiles" not in self.__dict__:
+            self.__dict__["_tiles"] = self._repack(native.isa())
+        return self.__dict__["_tiles"]
+
+    def adopt_tiles(self, tiles: tuple[torch.Tensor, ...] | None) -> None:
+        """Tiles made earlier for this CPU (prepared weights), instead of making them again."""
+        self.__dict__["_tiles"] = tiles
+
+    def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
         raise NotImplementedError
 
     def _tensors(self) -> dict[str, torch.Tensor]:
@@ -84,15 +95,13 @@ class BlockWeight(QuantizedRows):
             return native.tiled_matmul(x, *tiles, 4 if self.bits == 4 else 8)
         return native.block_matmul(x, self.codes, self.scale, self.min, self.bits, self.group)
 
-    def tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The weights repacked for `native.tiled_matmul` (made once, kept beside the blocks): on a
-        CPU with AVX-512 VNNI, for groups of 32 and a multiple of 16 rows; else None."""
-        cached = self.__dict__.get("_tiles", False)
-        if cached is False:
-            usable = native.isa() == "avx512-vnni" and self.group == 32 and self.shape[0] % 16 == 0
-            tiles = tile_blocks(self.values(), self.scale, self.min, self.bits) if usable else None
-            cached = self.__dict__["_tiles"] = tiles
-        return cached
+    activation_block = 32  # inputs per activation scale
+
+    def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
+        """`native.tiled_matmul`'s tiles on a CPU with AVX-512 VNNI (groups of 32, rows a multiple of 16)."""
+        if isa == "avx512-vnni" and self.group == 32 and self.shape[0] % 16 == 0:
+            return tile_blocks(self.values(), self.scale, self.min, self.bits)
+        return None
 
     def values(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """The integer codes of `rows`, one per weight, as uint8 [len(rows), cols]."""
@@ -163,19 +172,32 @@ class SuperBlockWeight(QuantizedRows):
         """`x @ W.T` in fp32 (activations quantized per 256 inputs; `kernels/cpu/kquant_matmul.cpp`),
         over the tiles where this CPU has them."""
         tiles = self.tiles()
-        if tiles is not None:
-            return native.kquant_tiled_matmul(x, *tiles, self.bits)
-        return native.kquant_matmul(x, self.codes, self.high, self.sub_scale, self.sub_min, self.d, self.dmin,
-                                    self.bits)
+        if tiles is None:
+            return native.kquant_matmul(x, self.codes, self.high, self.sub_scale, self.sub_min, self.d, self.dmin,
+                                        self.bits)
+        if len(tiles) == 3:  # the groups' layout (see _repack)
+            return native.block_matmul(x, *tiles, self.bits, self.group)
+        return native.kquant_tiled_matmul(x, *tiles, self.bits)
 
-    def tiles(self) -> tuple[torch.Tensor, ...] | None:
-        """The super-blocks repacked for `native.kquant_tiled_matmul` (made once, kept beside them): on
-        a CPU with AVX-512 VNNI and for a multiple of 16 rows; else None."""
-        cached = self.__dict__.get("_tiles", False)
-        if cached is False:
-            usable = native.isa() == "avx512-vnni" and self.shape[0] % 16 == 0
-            cached = self.__dict__["_tiles"] = tile_super_blocks(self) if usable else None
-        return cached
+    @property
+    def activation_block(self) -> int:
+        """Inputs per activation scale: 256 in the K-quant kernels (llama.cpp's Q8_K), 32 where this
+        CPU runs the groups' kernel instead."""
+        tiles = self.tiles()
+        return 32 if tiles is not None and len(tiles) == 3 else 256
+
+    def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
+        """`native.kquant_tiled_matmul`'s tiles on a CPU with AVX-512 VNNI (rows a multiple of 16);
+        elsewhere codes, scale and minimum per sub-block for `native.block_matmul`, whose AVX2 path
+        the K-quant kernel lacks (1.3x / 1.8x the bytes of Q4_K / Q6_K, but vectorized)."""
+        if isa == "avx512-vnni":
+            return tile_super_blocks(self) if self.shape[0] % 16 == 0 else None
+        per_sub = QK_K // self.group
+        scale = self.d.repeat_interleave(per_sub, dim=1) * self.sub_scale.float()  # exact: fp16 x 6-8 bits
+        if self.bits == 6:
+            return self.values().contiguous(), scale.contiguous(), (-32 * scale).contiguous()
+        min_ = -(self.dmin.repeat_interleave(per_sub, dim=1) * self.sub_min.float())
+        return torch.from_numpy(pack_nibbles(self.values().numpy())), scale.contiguous(), min_.contiguous()
 
     def values(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """The integer codes of `rows` (0-15 or 0-63), one per weight, as uint8 [len(rows), cols]."""

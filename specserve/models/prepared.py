@@ -112,7 +112,7 @@ def load(path: Path, config: ModelConfig) -> LlamaForCausalLM:
             return objects[entry["same_as"]]
         w = WEIGHT_CLASSES[entry["class"]](**{n: tensors[f"{key}.{n}"] for n in entry["tensors"]}, **entry["fields"])
         tiles = entry["tiles"]
-        w.__dict__["_tiles"] = None if tiles is None else tuple(tensors[f"{key}.tiles.{j}"] for j in range(tiles))
+        w.adopt_tiles(None if tiles is None else tuple(tensors[f"{key}.tiles.{j}"] for j in range(tiles)))
         objects[key] = w
         return w
 

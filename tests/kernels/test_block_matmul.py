@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.native import isa, tiled_matmul
-from specserve.models.gguf import SuperBlockWeight, decode_blocks, tile_blocks
+from kernels.native import isa, kquant_matmul, kquant_tiled_matmul, tiled_matmul
+from specserve.models.gguf import decode_blocks, tile_blocks, tile_super_blocks
 from tests.specserve.models.test_gguf import random_blocks
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q8_0"]
@@ -20,10 +20,6 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     scale = blocks.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale == 0, 0, 1 / scale)
     return (torch.round(blocks * inverse).double() * scale.double()).view_as(x)
-
-
-def activation_block(weight) -> int:
-    return 256 if isinstance(weight, SuperBlockWeight) else 32
 
 
 def run(x, weight):
@@ -43,7 +39,7 @@ def test_computes_quantized_activations_times_the_dequantized_weights(type_name,
     cols = 96 if odd_spans else 768
     weight = decode_blocks(random_blocks(type_name, rows, cols), type_name, rows)
     x = torch.randn(5, cols)
-    expected = quantized_activations(x, activation_block(weight)) @ weight.dequantize().double().T
+    expected = quantized_activations(x, weight.activation_block) @ weight.dequantize().double().T
     got = run(x, weight).double()
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # ...which stays close to the exact product (activation rounding is the only approximation)
@@ -89,4 +85,19 @@ def test_the_tiled_layout_computes_what_the_blocks_do(type_name):
     assert torch.allclose(tiled.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     assert torch.equal(torch.cat([tiled_matmul(x[i:i + 1], *tile_blocks(weight.values(), weight.scale, weight.min,
                                                                           weight.bits), 4 if weight.bits == 4 else 8)
+                                  for i in range(len(x))]), tiled)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_the_k_quant_kernels_compute_what_the_super_blocks_hold(type_name):
+    """Both K-quant kernels called directly (every instruction path has its own version of each)."""
+    weight = decode_blocks(random_blocks(type_name, 32, 512), type_name, 32)
+    x = torch.randn(7, 512)
+    expected = quantized_activations(x, 256) @ weight.dequantize().double().T
+    native = kquant_matmul(x, weight.codes, weight.high, weight.sub_scale, weight.sub_min, weight.d, weight.dmin,
+                           weight.bits)
+    tiled = kquant_tiled_matmul(x, *tile_super_blocks(weight), weight.bits)
+    for got in (native, tiled):
+        assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert torch.equal(torch.cat([kquant_tiled_matmul(x[i:i + 1], *tile_super_blocks(weight), weight.bits)
                                   for i in range(len(x))]), tiled)
