@@ -65,7 +65,8 @@ class QuantizedRows:
             return None
         if len(parts) == 1:
             return first
-        tensors = {name: torch.cat([p._tensors()[name] for p in parts]) for name in first._tensors()}
+        own = [p._tensors() for p in parts]
+        tensors = {name: torch.cat([t[name] for t in own]) for name in own[0]}
         return replace(first, **tensors, source_type="+".join(sorted({p.source_type for p in parts})))
 
 

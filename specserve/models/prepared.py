@@ -61,11 +61,11 @@ def save(model: LlamaForCausalLM, path: Path) -> bool:
             return {"same_as": saved[id(w)]}
         saved[id(w)] = key
         plain = {f.name: getattr(w, f.name) for f in fields(w) if not isinstance(getattr(w, f.name), torch.Tensor)}
-        names = list(w._tensors())
-        tensors.update({f"{key}.{name}": w._tensors()[name].contiguous() for name in names})
+        own = w._tensors()
+        tensors.update({f"{key}.{name}": t.contiguous() for name, t in own.items()})
         tiles = w.tiles()
         tensors.update({f"{key}.tiles.{j}": t.contiguous() for j, t in enumerate(tiles or ())})
-        return {"class": type(w).__name__, "fields": plain, "tensors": names,
+        return {"class": type(w).__name__, "fields": plain, "tensors": list(own),
                 "tiles": None if tiles is None else len(tiles)}
 
     if not isinstance(model.embed_tokens, QuantizedEmbedding):
