@@ -374,20 +374,21 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
 
 // The same product over weights repacked in tiles of 16 outputs (`BlockWeight.tiles`): per tile
 // and group of 32 inputs, eight 64-byte vectors whose lane o holds output o's codes of inputs
-// 4k..4k+3 (4-bit codes: four vectors, inputs 16 + 4k.. in the high nibbles), then the group's 16
-// scales and 16 minimums. A row's four activation bytes are broadcast to all lanes, so one dpbusd
-// serves 16 outputs and a group's float work (one convert, two multiply-adds) is shared by 16
-// outputs: about a third of the instructions per row of the layout above, which multi-row steps
-// (verification, batched decodes, prefill) need. Lane o of a tile sees one fixed sequence of
-// operations, whatever the rows of the step.
+// 4k..4k+3 (4- and 5-bit codes: four vectors, inputs 16 + 4k.. in the high nibbles; 5-bit codes
+// then eight 64-bit masks, bit 4o + i of mask k the fifth bit of that code), then the group's 16
+// scales and 16 minimums in fp16 (the file's own: exact). A row's four activation bytes are
+// broadcast to all lanes, so one dpbusd serves 16 outputs and a group's float work (one convert,
+// two multiply-adds) is shared by 16 outputs: about a third of the instructions per row of the
+// layout above, which multi-row steps (verification, batched decodes, prefill) need. Lane o of a
+// tile sees one fixed sequence of operations, whatever the rows of the step.
 constexpr int64_t kTile = 16;
 
 template <int Bits>
-constexpr int64_t tile_group_bytes() { return Bits == 4 ? 256 : 512; }
+constexpr int64_t tile_group_bytes() { return Bits == 4 ? 256 : Bits == 5 ? 320 : 512; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 template <int Bits, int R>
-void tile_rows(const uint8_t* codes, const float* scale, const float* min, int64_t groups, const Activations& a,
+void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
                int64_t m, float* y, int64_t ldy) {
   const int64_t K = groups * 32;
   const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
@@ -399,16 +400,22 @@ void tile_rows(const uint8_t* codes, const float* scale, const float* min, int64
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * tile_group_bytes<Bits>();
     __m512i w[8];
-    if constexpr (Bits == 4) {
+    if constexpr (Bits <= 5) {
       for (int k = 0; k < 4; ++k) {
         const __m512i packed = _mm512_loadu_si512(c + 64 * k);
         w[k] = _mm512_and_si512(packed, low4);
         w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
       }
+      if constexpr (Bits == 5) {
+        const __m512i fifth = _mm512_set1_epi8(0x10);
+        const uint64_t* high = reinterpret_cast<const uint64_t*>(c + 256);
+        for (int k = 0; k < 8; ++k) w[k] = _mm512_mask_add_epi8(w[k], _cvtu64_mask64(high[k]), w[k], fifth);
+      }
     } else {
       for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(c + 64 * k);
     }
-    const __m512 ws = _mm512_loadu_ps(scale + g * kTile), wm = _mm512_loadu_ps(min + g * kTile);
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
+    const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min + g * kTile)));
     __m512i dots[R][2];  // the rows interleaved, two accumulators each: dpbusds never queue (exact integers)
     for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
     for (int k = 0; k < 8; ++k)
@@ -427,9 +434,10 @@ void tile_rows(const uint8_t* codes, const float* scale, const float* min, int64
 }
 #else
 template <int Bits, int R>
-void tile_rows(const uint8_t* codes, const float* scale, const float* min, int64_t groups, const Activations& a,
+void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
                int64_t m, float* y, int64_t ldy) {
   const int64_t K = groups * 32;
+  const auto half = [](uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); };
   for (int r = 0; r < R; ++r) {
     const int8_t* xq = a.q.data_ptr<int8_t>() + (m + r) * K;
     const float* xs = a.scale.data_ptr<float>() + (m + r) * groups;
@@ -441,12 +449,13 @@ void tile_rows(const uint8_t* codes, const float* scale, const float* min, int64
         int32_t dot = 0;
         for (int k = 0; k < 8; ++k)
           for (int i = 0; i < 4; ++i) {
-            const int32_t q = Bits == 4 ? (k < 4 ? c[64 * k + 4 * o + i] & 0x0F : c[64 * (k - 4) + 4 * o + i] >> 4)
-                                        : c[64 * k + 4 * o + i];
+            int32_t q = Bits <= 5 ? (k < 4 ? c[64 * k + 4 * o + i] & 0x0F : c[64 * (k - 4) + 4 * o + i] >> 4)
+                                  : c[64 * k + 4 * o + i];
+            if (Bits == 5) q |= ((c[256 + 8 * k + (4 * o + i) / 8] >> ((4 * o + i) % 8)) & 1) << 4;
             dot += q * static_cast<int32_t>(xq[g * 32 + 4 * k + i]);
           }
-        acc[o] = std::fma(static_cast<float>(dot), scale[g * kTile + o] * xs[g], acc[o]);
-        acc[o] = std::fma(min[g * kTile + o], xsum[g], acc[o]);
+        acc[o] = std::fma(static_cast<float>(dot), half(scale[g * kTile + o]) * xs[g], acc[o]);
+        acc[o] = std::fma(half(min[g * kTile + o]), xsum[g], acc[o]);
       }
     }
     for (int o = 0; o < kTile; ++o) y[r * ldy + o] = acc[o];
@@ -459,15 +468,15 @@ void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor&
                 at::Tensor& y) {
   const int64_t M = a.q.size(0), tiles = codes.size(0), groups = codes.size(1), N = tiles * kTile;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = min.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   constexpr int kRows = 6;  // six rows' accumulators and the tile's codes fill the 32 vector registers
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();
-      const float* s = sp + t * groups * kTile;
-      const float* mn = mp + t * groups * kTile;
+      const uint16_t* s = sp + t * groups * kTile;
+      const uint16_t* mn = mp + t * groups * kTile;
       float* out = yp + t * kTile;
       specserve::for_row_tiles<kRows>(M, [&](auto rows, int64_t m) {
         tile_rows<Bits, decltype(rows)::value>(c, s, mn, groups, a, m, out + m * N, N);
@@ -479,20 +488,22 @@ void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor&
 at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                         int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "tiled_matmul: x must be a 2-D float32 tensor");
-  TORCH_CHECK(bits == 4 || bits == 8, "tiled_matmul: bits must be 4 or 8 (codes up to 8 bits in bytes)");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "tiled_matmul: bits must be 4, 5 or 8 (codes up to 8 bits in bytes)");
   const int64_t K = x.size(1);
+  const int64_t group_bytes = bits == 4 ? 256 : bits == 5 ? 320 : 512;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && K % 32 == 0 && codes.size(1) == K / 32 &&
-                  codes.size(2) == (bits == 4 ? 256 : 512),
-              "tiled_matmul: codes [N / 16, K / 32, 256 or 512] do not fit ", K, " inputs");
+                  codes.size(2) == group_bytes,
+              "tiled_matmul: codes [N / 16, K / 32, ", group_bytes, "] do not fit ", K, " inputs");
   const int64_t tiles = codes.size(0);
   TORCH_CHECK(scale.sizes() == at::IntArrayRef({tiles, K / 32, kTile}) && min.sizes() == scale.sizes() &&
-                  scale.scalar_type() == at::kFloat && min.scalar_type() == at::kFloat,
-              "tiled_matmul: scale and min must be float32 [N / 16, K / 32, 16]");
+                  scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf,
+              "tiled_matmul: scale and min must be float16 [N / 16, K / 32, 16]");
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), mc = min.contiguous();
   at::Tensor y = at::empty({x.size(0), tiles * kTile}, x.options());
   if (x.size(0) == 0 || tiles == 0) return y;
   const Activations a = quantize_activations(xc, 32);
   if (bits == 4) tiled_impl<4>(a, cc, sc, mc, y);
+  else if (bits == 5) tiled_impl<5>(a, cc, sc, mc, y);
   else tiled_impl<8>(a, cc, sc, mc, y);
   return y;
 }

@@ -49,6 +49,12 @@ class QuantizedRows:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors().values())
 
+    @property
+    def read_bytes(self) -> int:
+        """What a matmul reads: the tiles where this CPU has them, else the stored fields."""
+        tiles = self.tiles()
+        return self.nbytes if tiles is None else sum(t.numel() * t.element_size() for t in tiles)
+
     def permute_rows(self, order: torch.Tensor):
         return replace(self, **{name: t[order].contiguous() for name, t in self._tensors().items()})
 
@@ -93,14 +99,16 @@ class BlockWeight(QuantizedRows):
         over the tiles where this CPU has them (the same arithmetic per output, other instructions)."""
         tiles = self.tiles()
         if tiles is not None:
-            return native.tiled_matmul(x, *tiles, 4 if self.bits == 4 else 8)
+            return native.tiled_matmul(x, *tiles, tiled_bits(self.bits))
         return native.block_matmul(x, self.codes, self.scale, self.min, self.bits, self.group)
 
     activation_block = 32  # inputs per activation scale
 
     def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
-        """`native.tiled_matmul`'s tiles on a CPU with AVX-512 VNNI (groups of 32, rows a multiple of 16)."""
-        if isa == "avx512-vnni" and self.group == 32 and self.shape[0] % 16 == 0:
+        """`native.tiled_matmul`'s tiles on a CPU with AVX-512 VNNI (groups of 32, rows a multiple of 16,
+        scales and minimums exact in fp16: a GGUF's always are)."""
+        fits = self.group == 32 and self.shape[0] % 16 == 0
+        if isa == "avx512-vnni" and fits and _exact_in_fp16(self.scale, self.min):
             return tile_blocks(self.values(), self.scale, self.min, self.bits)
         return None
 
@@ -125,19 +133,21 @@ class BlockWeight(QuantizedRows):
     def quantize(cls, weight: torch.Tensor, bits: int, group: int = 32) -> BlockWeight:
         """A plain [rows, cols] weight in codes of `bits` per group of `group` columns, for a
         checkpoint that has no blocks of its own (`--quantization int8|int4`): int8 symmetric as
-        Q8_0 (scale = absmax / 127), int4 affine as Q4_1 (scale = (max - min) / 15), fp32 scales."""
+        Q8_0 (scale = absmax / 127), int4 affine as Q4_1 (scale = (max - min) / 15), scales and
+        minimums rounded to fp16 as in those formats (what the tiled kernel takes)."""
         if bits not in (4, 8) or weight.dim() != 2 or weight.shape[1] % 32 or group != 32:
             raise ValueError(f"quantize: a 2-D weight with a multiple of 32 columns, 4 or 8 bits, groups of 32; "
                              f"got {tuple(weight.shape)}, {bits} bits, groups of {group}")
         w = weight.float().reshape(weight.shape[0], -1, group)
+        fp16 = lambda t: t.half().float()  # noqa: E731
         if bits == 8:
-            scale = w.abs().amax(dim=2) / 127
+            scale = fp16(w.abs().amax(dim=2) / 127)
             safe = torch.where(scale > 0, scale, 1.0)
             codes = (torch.round(w / safe.unsqueeze(2)).clamp(-127, 127) + 128).to(torch.uint8)
             return cls(codes.reshape(weight.shape[0], -1).contiguous(), scale.contiguous(), (-128 * scale).contiguous(),
                        8, group, "int8", zero_point=128)
-        low, high = w.amin(dim=2), w.amax(dim=2)
-        scale = (high - low) / 15
+        low = fp16(w.amin(dim=2))
+        scale = fp16((w.amax(dim=2) - low) / 15)
         safe = torch.where(scale > 0, scale, 1.0)
         q = torch.round((w - low.unsqueeze(2)) / safe.unsqueeze(2)).clamp(0, 15).to(torch.uint8)
         codes = torch.from_numpy(pack_nibbles(q.reshape(weight.shape[0], -1).numpy()))
@@ -230,17 +240,31 @@ def pack_nibbles(q: np.ndarray, span: int = 32) -> np.ndarray:
     return (spans[:, :, 0, :] | (spans[:, :, 1, :] << 4)).reshape(q.shape[0], -1)
 
 
+def tiled_bits(bits: int) -> int:
+    """The code width of `tiled_matmul`'s layout for codes of `bits`: 4, 5, or bytes (8)."""
+    return bits if bits in (4, 5) else 8
+
+
+def _exact_in_fp16(*tensors: torch.Tensor) -> bool:
+    return all(torch.equal(t.half().float(), t) for t in tensors)
+
+
 def tile_blocks(codes: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor,
                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes [rows, cols] and per-32 scale and minimum in the tiled layout of `tiled_matmul`: per 16
-    rows and 32 columns, lane o of vector k holds row o's codes of columns 4k..4k+3 (4-bit: vectors
-    0-3, columns 16 + 4k.. in the high nibbles), then the 16 rows' scales and minimums."""
+    rows and 32 columns, lane o of vector k holds row o's codes of columns 4k..4k+3 (4- and 5-bit:
+    vectors 0-3, columns 16 + 4k.. in the high nibbles; 5-bit: then eight 64-bit masks of the fifth
+    bits, bit 4o + i of mask k for lane byte 4o + i), then the 16 rows' scales and minimums (fp16)."""
     rows, cols = codes.shape
     v = codes.view(rows // 16, 16, cols // 32, 8, 4).permute(0, 2, 3, 1, 4)  # tile, group, k, row, byte
-    if bits == 4:
-        v = v[:, :, :4] | (v[:, :, 4:] << 4)
-    per_tile = lambda t: t.view(rows // 16, 16, cols // 32).transpose(1, 2).contiguous()  # noqa: E731
-    return v.reshape(rows // 16, cols // 32, -1).contiguous(), per_tile(scale), per_tile(min_)
+    width = tiled_bits(bits)
+    parts = [v if width == 8 else (v[:, :, :4] & 0x0F) | ((v[:, :, 4:] & 0x0F) << 4)]
+    if width == 5:  # bit j of byte b in mask k: lane byte 8b + j
+        fifth = ((v >> 4) & 1).reshape(rows // 16, cols // 32, 8, 8, 8)
+        parts.append((fifth << torch.arange(8, dtype=torch.uint8)).sum(dim=4, dtype=torch.uint8))
+    codes_tiled = torch.cat([p.reshape(rows // 16, cols // 32, -1) for p in parts], dim=2)
+    per_tile = lambda t: t.view(rows // 16, 16, cols // 32).transpose(1, 2).half().contiguous()  # noqa: E731
+    return codes_tiled.contiguous(), per_tile(scale), per_tile(min_)
 
 
 def tile_super_blocks(w: SuperBlockWeight) -> tuple[torch.Tensor, ...]:

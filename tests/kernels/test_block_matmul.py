@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.native import isa, kquant_matmul, kquant_tiled_matmul, tiled_matmul
-from specserve.models.gguf import decode_blocks, tile_blocks, tile_super_blocks
+from specserve.models.gguf import decode_blocks, tile_blocks, tile_super_blocks, tiled_bits
 from tests.specserve.models.test_gguf import random_blocks
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q8_0"]
@@ -79,13 +79,14 @@ def test_the_tiled_layout_computes_what_the_blocks_do(type_name):
     """Called directly, so that every instruction path checks its own version of it."""
     weight = decode_blocks(random_blocks(type_name, 32, 160), type_name, 32)
     x = torch.randn(11, 160)
-    tiled = tiled_matmul(x, *tile_blocks(weight.values(), weight.scale, weight.min, weight.bits),
-                         4 if weight.bits == 4 else 8)
+    tiles = tile_blocks(weight.values(), weight.scale, weight.min, weight.bits)
+    tiled = tiled_matmul(x, *tiles, tiled_bits(weight.bits))
     expected = quantized_activations(x, 32) @ weight.dequantize().double().T
     assert torch.allclose(tiled.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert torch.equal(torch.cat([tiled_matmul(x[i:i + 1], *tile_blocks(weight.values(), weight.scale, weight.min,
-                                                                          weight.bits), 4 if weight.bits == 4 else 8)
-                                  for i in range(len(x))]), tiled)
+    assert torch.equal(torch.cat([tiled_matmul(x[i:i + 1], *tiles, tiled_bits(weight.bits)) for i in range(len(x))]),
+                       tiled)
+    # the file's bytes per 32 weights and at most an fp16 minimum more (4- and 5-bit codes packed)
+    assert sum(t.numel() * t.element_size() for t in tiles) <= 32 * 160 * {4: 20, 5: 24, 8: 36}[weight.bits] // 32
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
