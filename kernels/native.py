@@ -104,6 +104,13 @@ def isa() -> str:
     return torch.ops.specserve_cpu.isa()
 
 
+def op(name: str) -> torch._ops.OpOverload:
+    """Our kernel `name` itself (no Python wrapper around each call: a layer of a small model makes
+    over a hundred of them a step)."""
+    load()
+    return getattr(torch.ops.specserve_cpu, name).default
+
+
 def block_matmul(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor, bits: int, group: int
 ) -> torch.Tensor:

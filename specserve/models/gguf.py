@@ -13,6 +13,7 @@ dequantization bit for bit. Other formats (and F32/F16/BF16 tensors) are dequant
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -38,6 +39,21 @@ class QuantizedRows:
     def adopt_tiles(self, tiles: tuple[torch.Tensor, ...] | None) -> None:
         """Tiles made earlier for this CPU (prepared weights), instead of making them again."""
         self.__dict__["_tiles"] = tiles
+        self.__dict__.pop("_kernel", None)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W.T` in fp32 (activations quantized per `activation_block` inputs)."""
+        return self.kernel()(x)
+
+    def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`matmul` as one call of this CPU's kernel with the weight's tensors bound (made once)."""
+        if "_kernel" not in self.__dict__:
+            kernel, args = self._kernel_call()
+            self.__dict__["_kernel"] = lambda x: kernel(x, *args)
+        return self.__dict__["_kernel"]
+
+    def _kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
+        raise NotImplementedError
 
     def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
         raise NotImplementedError
@@ -94,13 +110,13 @@ class BlockWeight(QuantizedRows):
     def shape(self) -> tuple[int, int]:
         return self.scale.shape[0], self.scale.shape[1] * self.group
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` in fp32 (activations quantized per 32 inputs; `kernels/cpu/block_matmul.cpp`),
-        over the tiles where this CPU has them (the same arithmetic per output, other instructions)."""
+    def _kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
+        """`kernels/cpu/block_matmul.cpp` (activations quantized per 32 inputs), over the tiles where
+        this CPU has them (the same arithmetic per output, other instructions)."""
         tiles = self.tiles()
         if tiles is not None:
-            return native.tiled_matmul(x, *tiles, tiled_bits(self.bits))
-        return native.block_matmul(x, self.codes, self.scale, self.min, self.bits, self.group)
+            return native.op("tiled_matmul"), (*tiles, tiled_bits(self.bits))
+        return native.op("block_matmul"), (self.codes, self.scale, self.min, self.bits, self.group)
 
     activation_block = 32  # inputs per activation scale
 
@@ -179,16 +195,16 @@ class SuperBlockWeight(QuantizedRows):
     def group(self) -> int:
         return 32 if self.bits == 4 else 16
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` in fp32 (activations quantized per 256 inputs; `kernels/cpu/kquant_matmul.cpp`),
-        over the tiles where this CPU has them."""
+    def _kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
+        """`kernels/cpu/kquant_matmul.cpp` (activations quantized per 256 inputs), over the tiles where
+        this CPU has them; the groups' kernel where it has only the expanded groups (see _repack)."""
         tiles = self.tiles()
         if tiles is None:
-            return native.kquant_matmul(x, self.codes, self.high, self.sub_scale, self.sub_min, self.d, self.dmin,
-                                        self.bits)
-        if len(tiles) == 3:  # the groups' layout (see _repack)
-            return native.block_matmul(x, *tiles, self.bits, self.group)
-        return native.kquant_tiled_matmul(x, *tiles, self.bits)
+            return native.op("kquant_matmul"), (self.codes, self.high, self.sub_scale, self.sub_min, self.d, self.dmin,
+                                                self.bits)
+        if len(tiles) == 3:
+            return native.op("block_matmul"), (*tiles, self.bits, self.group)
+        return native.op("kquant_tiled_matmul"), (*tiles, self.bits)
 
     @property
     def activation_block(self) -> int:

@@ -145,6 +145,8 @@ class Projection(nn.Module):
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.blocks, self.biases, strict=True)], dim=-1)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.quantized) == 1 and self.fused_bias is None:  # the common case, in one call
+            return self.quantized[0].kernel()(x)
         outs = [w.matmul(x) for w in self.quantized]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.fused_bias is None else y + self.fused_bias
