@@ -233,7 +233,8 @@ class HeadDrafter(TreeSearchDrafter):
         meta = AttentionMetadata.build([r.tree for r in requests], [r.context_len for r in requests],
                                        [r.block_table for r in requests], self.cache.block_size)
         cos, sin = self.target.rotary(meta.positions)
-        return self.layer(x, cos, sin, self.cache, meta)
+        out, delta = self.layer(x, None, cos, sin, self.cache, meta)
+        return out + delta
 
     def _score(self, normed: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (-inf off the draft vocabulary) of head outputs."""

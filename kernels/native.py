@@ -9,7 +9,8 @@
   same over super-blocks repacked in tiles of 16 outputs (`SuperBlockWeight.tiles`).
 * `tree_attention(...)`: fp32 attention over the paged cache, each query row over exactly its
   visible keys (`kernels/cpu/tree_attention.cpp`).
-* `rms_norm(x, weight, eps)`: fp32 RMSNorm in one pass (`kernels/cpu/rms_norm.cpp`).
+* `rms_norm(x, weight, eps)`: fp32 RMSNorm in one pass (`kernels/cpu/rms_norm.cpp`); `add_rms_norm`,
+  the residual add before it in the same pass.
 * `rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)`: rotary q and k
   out of the fused projection, k and v written to their cache slots (`kernels/cpu/rope_kv.cpp`).
 
@@ -150,6 +151,13 @@ def tree_attention(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     load()
     return torch.ops.specserve_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x + delta, rms_norm(x + delta))` in one pass: a layer's residual add and the next norm."""
+    load()
+    return torch.ops.specserve_cpu.add_rms_norm(x, delta, weight, eps)
 
 
 def rope_write_kv(

@@ -20,11 +20,11 @@ from kernels import native, ops
 from kernels.metadata import AttentionMetadata
 from specserve.kv_cache import KVCache
 from specserve.models.config import ModelConfig
-from specserve.models.linear import Projection
+from specserve.models.linear import DirectModule, Projection
 from specserve.models.rope import RotaryEmbedding, apply_rotary
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectModule):
     """Normalises in fp32 and casts back before the weight, exactly as transformers does."""
 
     def __init__(self, size: int, eps: float):
@@ -33,13 +33,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+        if self._native(x):
             return native.rms_norm(x, self.weight, self.eps)  # one pass; each row alone
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x + delta, norm(x + delta))` (delta None: x, norm(x)): the residual add fused into the
+        norm, one op instead of two (a small model's decode is mostly per-op costs)."""
+        if delta is None:
+            return x, self.forward(x)
+        if self._native(x):
+            return native.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self.forward(x)
 
-class Attention(nn.Module):
+    def _native(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+
+
+class Attention(DirectModule):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
@@ -75,7 +88,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(DirectModule):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = Projection(config.hidden_size, [config.intermediate_size] * 2)
@@ -86,7 +99,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectModule):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -94,9 +107,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream enters as `x + delta` and leaves as the sum of the two returned
+        tensors: each residual add is done by the norm after it (`RMSNorm.add_forward`)."""
+        x, h = self.input_layernorm.add_forward(x, delta)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, kv_cache, meta))
+        return x, self.mlp(h)
 
 
 @dataclass
@@ -170,12 +187,12 @@ class LlamaForCausalLM(nn.Module):
         if any(not 0 <= k <= total for k in hidden_at):
             raise ValueError(f"hidden_at {tuple(hidden_at)}: layer boundaries run from 0 to {total}")
         hidden: dict[int, torch.Tensor] = {}
-        x = self.run_layers(input_ids, meta, kv_cache, num_layers, hidden_at, hidden)
+        x, delta = self._layers(input_ids, meta, kv_cache, num_layers, hidden_at, hidden)
         final = total in hidden_at and (num_layers is None or num_layers == total)
         if logits_indices is not None and not final:
-            x = x[logits_indices]  # normalise only the rows whose logits we need
+            x, delta = x[logits_indices], delta if delta is None else delta[logits_indices]  # only rows with logits
             logits_indices = None
-        normed = self.norm(x)
+        _, normed = self.norm.add_forward(x, delta)
         if final:
             hidden[total] = normed
         selected = normed if logits_indices is None else normed[logits_indices]
@@ -186,13 +203,22 @@ class LlamaForCausalLM(nn.Module):
                    hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Embed and run the first `num_layers` layers (all: None); the residual stream out.
         The states entering the layers `hidden_at` names go into `hidden`."""
+        x, delta = self._layers(input_ids, meta, kv_cache, num_layers, hidden_at, hidden)
+        return x if delta is None else x + delta
+
+    def _layers(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, num_layers: int | None,
+                hidden_at: Sequence[int],
+                hidden: dict[int, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run_layers` with the last residual add left to the caller: the stream out is x + delta."""
         cos, sin = self.rotary(meta.positions)
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         for index, layer in enumerate(self.layers[:num_layers]):
             if hidden is not None and index in hidden_at:
+                if delta is not None:
+                    x, delta = x + delta, None
                 hidden[index] = x
-            x = layer(x, cos, sin, kv_cache, meta)
-        return x
+            x, delta = layer(x, delta, cos, sin, kv_cache, meta)
+        return x, delta
 
     def score(self, normed: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the whole vocabulary for final-normed hidden states."""
