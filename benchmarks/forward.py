@@ -68,7 +68,7 @@ def weight_count(model) -> int:
                if isinstance(module, Projection))
 
 
-def compute_rate(model, rows: int = 64, outputs: int = 128, repeats: int = 30) -> float | None:
+def compute_rate(model, rows: int = 64, outputs: int = 2048, repeats: int = 30) -> float | None:
     """Multiply-accumulates per second of the model's own kernel (its largest projection's format)
     on a slice of that weight small enough to stay in cache: the most a step of several rows can
     get from this CPU's dot products (None for plain weights)."""
