@@ -63,13 +63,13 @@ class QuantizedRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+        return _size(self._tensors().values())
 
     @property
     def read_bytes(self) -> int:
         """What a matmul reads: the tiles where this CPU has them, else the stored fields."""
         tiles = self.tiles()
-        return self.nbytes if tiles is None else sum(t.numel() * t.element_size() for t in tiles)
+        return self.nbytes if tiles is None else _size(tiles)
 
     def permute_rows(self, order: torch.Tensor):
         return replace(self, **{name: t[order].contiguous() for name, t in self._tensors().items()})
@@ -254,6 +254,10 @@ def pack_nibbles(q: np.ndarray, span: int = 32) -> np.ndarray:
     j in its low nibble and column j + span / 2 in its high nibble."""
     spans = q.reshape(q.shape[0], -1, 2, span // 2)
     return (spans[:, :, 0, :] | (spans[:, :, 1, :] << 4)).reshape(q.shape[0], -1)
+
+
+def _size(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def tiled_bits(bits: int) -> int:
