@@ -28,6 +28,9 @@ class DrafterOptions:
     beam: int = 4  # nodes expanded per draft forward; top_k = beam = 1 drafts a chain
     dtype: str | torch.dtype | None = None  # draft model weights (default: the target's)
     vocab: int | None = None  # draft models score only the first `vocab` token ids (see DraftModelDrafter)
+    # Unless `vocab` is given, draft models with more than twice this many tokens score this many
+    # (the engine sets it on a CPU, where the LM head is a large share of a draft forward)
+    default_vocab: int | None = None
     quantization: str | None = None  # draft models: "int8" projections (see DraftModelDrafter.load)
 
 
@@ -65,4 +68,4 @@ def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
     from drafters.draft_model import DraftModelDrafter
 
     return DraftModelDrafter.load(str(part.arg), options.dtype, options.top_k, options.beam, options.vocab,
-                                  options.quantization)
+                                  options.quantization, options.default_vocab)

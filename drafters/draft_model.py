@@ -31,9 +31,11 @@ class DraftModelDrafter(TreeSearchDrafter):
 
     @classmethod
     def load(cls, name_or_path: str, dtype: str | torch.dtype | None, top_k: int = 4, beam: int = 4,
-             vocab: int | None = None, quantization: str | None = None) -> DraftModelDrafter:
+             vocab: int | None = None, quantization: str | None = None,
+             default_vocab: int | None = None) -> DraftModelDrafter:
         """A known model name (pulled on first use), an HF directory or a .gguf file. `vocab`:
-        score only the first `vocab` token ids and the model's special tokens (see below).
+        score only the first `vocab` token ids and the model's special tokens (see below); None:
+        `default_vocab` where the model has more than twice that many, else all.
         `quantization="int8"`: int8 projections for draft forwards (half the bytes to read on a
         CPU, where they are bandwidth-bound; the target verifies every token either way)."""
         from specserve.models.loader import load_model
@@ -41,6 +43,8 @@ class DraftModelDrafter(TreeSearchDrafter):
 
         path: Path = resolve_model(name_or_path)
         model = load_model(path, dtype)
+        if vocab is None and default_vocab is not None and model.config.vocab_size > 2 * default_vocab:
+            vocab = default_vocab
         if vocab is not None and vocab < model.config.vocab_size:
             model.restrict_output_vocab(frequent_tokens(model, vocab))
         if quantization == "int8":

@@ -236,11 +236,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive (default): tree budgets from measured acceptance and forward cost; "
                         "fixed: always --max-tree-tokens; off: the plain engine")
     p.add_argument("--max-tree-tokens", type=int, default=None, help="drafted tokens per request and step at most")
-    p.add_argument("--draft-top-k", type=int, default=None, help="model drafters: children per expanded node")
+    p.add_argument("--draft-top-k", type=int, default=None,
+                   help="model drafters: children per expanded node (default: 1 on a CPU, 4 on a GPU)")
     p.add_argument("--draft-beam", type=int, default=None,
-                   help="model drafters: nodes expanded per draft forward (top-k 1 and beam 1: a chain)")
+                   help="model drafters: nodes expanded per draft forward (top-k 1 and beam 1: a chain; default: "
+                        "1 on a CPU, 4 on a GPU)")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft models: score only the N most frequent token ids (a cheaper LM head; default: all)")
+                   help="draft models: score only the N most frequent token ids (a cheaper LM head; N >= the "
+                        "vocabulary: all; default: all, or 32768 on a CPU for vocabularies over 65536)")
     p.add_argument("--draft-quantization", choices=["int8", "none"], default=None,
                    help="draft models: int8 projections, half the bytes per draft forward (default: none)")
     p.add_argument("--kv-cache-memory", default=None,

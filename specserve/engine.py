@@ -80,8 +80,10 @@ class LLMEngine:
         model_config = self.model.config
         block_size = self.config.block_size
         # Drafters load first: a draft model's K/V share the block tables, so they share the pool.
-        self._draft_options = DrafterOptions(self.config.draft_top_k, self.config.draft_beam, self.model.dtype,
-                                             self.config.draft_vocab, self.config.draft_quantization)
+        device = self.model.norm.weight.device
+        self._draft_options = DrafterOptions(*self.config.draft_shape(device), self.model.dtype,
+                                             self.config.draft_vocab, self.config.draft_quantization,
+                                             self.config.default_draft_vocab(device))
         self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
@@ -443,11 +445,12 @@ class LLMEngine:
         seq = s.seq
         seq.num_computed += len(verdict.path)  # the root and the accepted nodes, now contiguous
         seq.num_forwarded_tokens += len(draft.tree)
-        seq.spec.record(draft.num_drafted, verdict.num_accepted)
-        self.metrics.spec.record(draft.num_drafted, verdict.num_accepted)
+        rejected = bool(draft.tree.children[verdict.path[-1]])  # else the accepted path ran to a leaf
+        seq.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
+        self.metrics.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
         for observe in self.tree_observers:
             observe(seq.request_id, draft.tree, verdict.path)
-        self.policy.observe_verify(seq.drafter, verdict.num_accepted)
+        self.policy.observe_verify(seq.drafter, verdict.num_accepted, rejected)
         text, emitted = "", []
         for node, token in zip(verdict.path, verdict.tokens, strict=True):
             text += self._append(seq, logits[node], token)

@@ -43,9 +43,13 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # drafted tokens the target accepted (bonus tokens not counted)
     accepted_at_depth: list[int] = field(default_factory=list)  # [d]: steps that accepted >= d + 1 tokens
+    # Verify steps that ended in a rejected token, not at the tree's edge: a chain of two fully
+    # accepted tells nothing of the third token (what the speculation policy's estimate needs).
+    rejections: int = 0
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, rejected: bool = True) -> None:
         self.verify_steps += 1
+        self.rejections += rejected
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         if accepted > len(self.accepted_at_depth):
@@ -56,6 +60,7 @@ class SpecStats:
     def add(self, other: SpecStats) -> None:
         self.target_forwards += other.target_forwards
         self.verify_steps += other.verify_steps
+        self.rejections += other.rejections
         self.drafted_tokens += other.drafted_tokens
         self.accepted_tokens += other.accepted_tokens
         for depth, count in enumerate(other.accepted_at_depth):

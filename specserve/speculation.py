@@ -46,10 +46,13 @@ from specserve.cost_model import ForwardCost, StepCost
 from specserve.sequence import Sequence
 
 PRIOR_STEPS = 4  # a new sequence's acceptance counts its drafter's as this many steps of its own
-# Optimism in the face of uncertainty (UCB): while a drafter has few verified steps its
-# sequences are credited alpha + EXPLORE / sqrt(1 + steps), so a drafter judged on a few
-# unlucky steps is not switched off for good (per drafter, not per sequence: exploring every
-# new sequence would cost a busy server on every request).
+# Optimism in the face of uncertainty (UCB1): a drafter's sequences are credited alpha +
+# EXPLORE * sqrt(max(1, ln looks) / (1 + steps)), `looks` the steps the policy weighed it,
+# `steps` those it verified. A drafter judged on a few unlucky steps (a draft model's first
+# guess after a prompt often differs from the target's in style alone) is not switched off for
+# good: while it is not tried its credit grows, and it is tried again, ever more rarely if it
+# keeps failing. Per drafter, not per sequence: exploring every new sequence would cost a busy
+# server on every request.
 EXPLORE = 0.3
 MIN_GAIN = 1e-3  # expected tokens below which another node is not worth considering
 # Trees only where the best plan promises at least this much more than plain steps. Below it the
@@ -69,7 +72,9 @@ DECIDING_SHARE = 0.002
 @dataclass
 class _DrafterRecord:
     accepted: int = 0
-    rejected: int = 0  # verify steps (each ends in a rejection or the budget's end)
+    rejected: int = 0  # verify steps that ended in a rejection (not at the tree's edge)
+    steps: int = 0  # verify steps
+    looks: int = 0  # steps whose plan weighed its sequences by their credited acceptance
 
 
 class SpeculationPolicy:
@@ -92,10 +97,13 @@ class SpeculationPolicy:
 
     # -- measurements -------------------------------------------------------------------------
 
-    def observe_verify(self, drafter: Drafter, accepted: int) -> None:
+    def observe_verify(self, drafter: Drafter, accepted: int, rejected: bool = True) -> None:
+        """A verify step accepted `accepted` drafted tokens, and then a token was `rejected`, or
+        the accepted path reached the tree's edge (which says nothing of the next token)."""
         record = self._record(drafter)
         record.accepted += accepted
-        record.rejected += 1
+        record.rejected += rejected
+        record.steps += 1
 
     def observe_step(self, num_seqs: int, base_tokens: int, nodes: int, seconds: float, keys: int = 0) -> None:
         """A step's measured time from its forward to its last emitted token (drafting excluded):
@@ -115,11 +123,14 @@ class SpeculationPolicy:
         return self._step_costs[bucket]
 
     def acceptance(self, seq: Sequence) -> float:
-        """alpha: the probability that the next drafted token is accepted, for this sequence."""
+        """alpha: the probability that the next drafted token is accepted, for this sequence.
+        Accepted tokens over accepted and rejected ones (the geometric model's estimate): a step
+        whose whole chain was accepted counts no rejection, or a drafter always given one token
+        could never look better than one half."""
         record = self._record(seq.drafter)
         prior = (record.accepted + 1) / (record.accepted + record.rejected + 2)
         stats = seq.spec
-        return (stats.accepted_tokens + PRIOR_STEPS * prior) / (stats.accepted_tokens + stats.verify_steps
+        return (stats.accepted_tokens + PRIOR_STEPS * prior) / (stats.accepted_tokens + stats.rejections
                                                                 + PRIOR_STEPS)
 
     # -- the decision ---------------------------------------------------------------------------
@@ -209,14 +220,22 @@ class SpeculationPolicy:
         this step's proposal, or the sequence's credited acceptance to the k-th power."""
         depth = np.arange(1, max(caps) + 1)
         gains = np.zeros((len(seqs), len(depth)))
+        credited: set[Drafter] = set()
         for row, (seq, cap) in enumerate(zip(seqs, caps, strict=True)):
             profile = seq.drafter.acceptance_profile(seq.seq_id, seq.token_ids, cap)
-            gains[row, :cap] = self._credited_alpha(seq) ** depth[:cap] if profile is None else profile
+            if profile is None:
+                credited.add(seq.drafter)
+                gains[row, :cap] = self._credited_alpha(seq) ** depth[:cap]
+            else:
+                gains[row, :cap] = profile
+        for drafter in credited:
+            self._record(drafter).looks += 1
         return gains
 
     def _credited_alpha(self, seq: Sequence) -> float:
         """Acceptance plus the drafter's exploration credit (see EXPLORE)."""
-        explore = EXPLORE / math.sqrt(1 + self._record(seq.drafter).rejected)
+        record = self._record(seq.drafter)
+        explore = EXPLORE * math.sqrt(max(1.0, math.log(1 + record.looks)) / (1 + record.steps))
         return min(0.99, self.acceptance(seq) + explore)
 
     @staticmethod

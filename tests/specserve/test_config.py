@@ -77,3 +77,18 @@ def test_flags_override_the_config_file(tmp_path):
     assert engine_settings(args)["draft_quantization"] == "int8"
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_settings(args) == {"target": "smollm2-135m-instruct"}
+
+
+def test_model_drafters_draft_chains_on_a_cpu_and_trees_elsewhere_unless_told():
+    import torch
+
+    assert EngineConfig().draft_shape(torch.device("cpu")) == (1, 1)
+    assert EngineConfig().draft_shape(torch.device("cuda")) == (4, 4)
+    assert EngineConfig(draft_top_k=3, draft_beam=2).draft_shape(torch.device("cpu")) == (3, 2)
+
+
+def test_large_vocabulary_drafts_score_their_frequent_tokens_on_a_cpu_only():
+    import torch
+
+    assert EngineConfig().default_draft_vocab(torch.device("cpu")) == 32768
+    assert EngineConfig().default_draft_vocab(torch.device("cuda")) is None

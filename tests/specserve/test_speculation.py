@@ -335,6 +335,36 @@ def test_a_new_sequence_starts_from_its_drafters_acceptance():
     assert policy.acceptance(fresh) < before < 1
 
 
+def test_chains_accepted_to_their_end_do_not_count_as_rejections():
+    """A drafter given one token a step and right every time: its acceptance is not capped at one
+    half by counting each step's end as a rejection (the geometric model's censored steps)."""
+    policy = adaptive_policy(FLAT)
+    seq = decoding(0)
+    for _ in range(20):
+        seq.spec.record(1, 1, rejected=False)
+        policy.observe_verify(DRAFTER, accepted=1, rejected=False)
+    assert policy.acceptance(seq) > 0.9
+
+
+DEAR_NODE = ForwardCost([1, 2, 512], [0.05, 0.08, 4.0])  # a drafted node costs 60% of a decode
+
+
+def test_a_drafter_judged_on_one_unlucky_step_is_tried_again_after_a_while():
+    """Its first tree was rejected outright (a draft model's first guess after a prompt often
+    differs in style alone): plain steps follow, but the credit of a drafter not tried grows
+    with the steps that weighed it, and it is tried again."""
+    policy = adaptive_policy(DEAR_NODE)
+    seq = decoding(0)
+    assert policy.budgets({seq: 1}, base_tokens=1, max_total=8)[seq] == 1
+    seq.spec.record(1, 0)
+    policy.observe_verify(DRAFTER, accepted=0)
+    plain = 0
+    while policy.budgets({seq: 1}, base_tokens=1, max_total=8)[seq] == 0:
+        plain += 1
+        assert plain < 100
+    assert plain >= 1
+
+
 def test_fixed_budgets_are_the_caps_within_the_token_budget():
     policy = SpeculationPolicy(adaptive=False)
     a, b, c = decoding(0), decoding(1), decoding(2)

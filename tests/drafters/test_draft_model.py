@@ -1,0 +1,31 @@
+"""Draft models: what a large vocabulary's LM head scores unless told (FR-Spec's frequent tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafters.draft_model import DraftModelDrafter
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, make_tiny_checkpoint):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("draft"), vocab_size=300, eos_token_id=299, bos_token_id=0)
+
+
+def scored(drafter: DraftModelDrafter) -> set[int] | None:
+    ids = drafter.model.output_ids
+    return None if ids is None else set(ids.tolist())
+
+
+def test_a_vocabulary_over_twice_the_default_scores_the_default_number_of_tokens(draft_dir):
+    drafter = DraftModelDrafter.load(str(draft_dir), None, default_vocab=100)
+    assert scored(drafter) == set(range(100)) | {0, 299}  # the first 100 ids and the special tokens
+
+
+def test_a_vocabulary_within_twice_the_default_is_scored_whole(draft_dir):
+    assert scored(DraftModelDrafter.load(str(draft_dir), None, default_vocab=150)) is None
+
+
+def test_a_vocabulary_asked_for_wins_over_the_default(draft_dir):
+    assert scored(DraftModelDrafter.load(str(draft_dir), None, vocab=200, default_vocab=100)) == set(range(200)) | {299}
+    assert scored(DraftModelDrafter.load(str(draft_dir), None, vocab=10_000, default_vocab=100)) is None
