@@ -28,10 +28,10 @@ class DrafterOptions:
     beam: int = 4  # nodes expanded per draft forward; top_k = beam = 1 drafts a chain
     dtype: str | torch.dtype | None = None  # draft model weights (default: the target's)
     vocab: int | None = None  # draft models score only the first `vocab` token ids (see DraftModelDrafter)
+    quantization: str | None = None  # draft models: "int8" projections (see DraftModelDrafter.load)
     # Unless `vocab` is given, draft models with more than twice this many tokens score this many
     # (the engine sets it on a CPU, where the LM head is a large share of a draft forward)
     default_vocab: int | None = None
-    quantization: str | None = None  # draft models: "int8" projections (see DraftModelDrafter.load)
 
 
 def build_drafter(spec: str | None, options: DrafterOptions | None = None,

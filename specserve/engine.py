@@ -81,9 +81,11 @@ class LLMEngine:
         block_size = self.config.block_size
         # Drafters load first: a draft model's K/V share the block tables, so they share the pool.
         device = self.model.norm.weight.device
-        self._draft_options = DrafterOptions(*self.config.draft_shape(device), self.model.dtype,
-                                             self.config.draft_vocab, self.config.draft_quantization,
-                                             self.config.default_draft_vocab(device))
+        top_k, beam = self.config.draft_shape(device)
+        self._draft_options = DrafterOptions(top_k=top_k, beam=beam, dtype=self.model.dtype,
+                                             vocab=self.config.draft_vocab,
+                                             quantization=self.config.draft_quantization,
+                                             default_vocab=self.config.default_draft_vocab(device))
         self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
