@@ -432,8 +432,8 @@ def main() -> None:
     args.max_tokens = result["max_tokens"]
     caption = (f"Peers on `{result['machine']}` ({', '.join(result['flags'])}), {THREADS} threads each, one at a "
                f"time, greedy, {args.max_tokens} tokens per request, streaming `/v1/completions` on 127.0.0.1. "
-               f"Cells: aggregate generated tok/s (TPOT p50) at 1 / {' / '.join(map(str, levels[1:]))} concurrent "
-               f"clients (Qwen: batch 1 only); last column: batch-1 tok/s over llama.cpp's server.")
+               f"Cells: aggregate generated tok/s (TPOT p50) at {' / '.join(map(str, levels))} concurrent "
+               f"client(s) (Qwen: batch 1 only); last column: batch-1 tok/s over llama.cpp's server.")
     header = ["suite", "contender", *[f"{c} streams" for c in levels], "vs llama.cpp at 1"]
     write_report(args.out, result, caption, header, table(result, levels))
     plot(result, Path(f"{args.out}.png"))

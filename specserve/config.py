@@ -86,17 +86,18 @@ class EngineConfig:
     def default_draft_vocab(self, device: torch.device) -> int | None:
         """What a large-vocabulary draft model scores when `draft_vocab` is not set (FR-Spec). On
         a CPU the LM head is a large share of a draft forward (Qwen2.5-Coder-0.5B's, 152k tokens:
-        a third of its bytes), and with the first 32k tokens the 0.5B draft sped coding replies
-        up 1.20x over plain decoding where the whole vocabulary gave 1.09x (AMD EPYC, 2 threads)."""
+        a third of its bytes), and with the first 32k tokens the 0.5B draft's chains sped coding
+        replies up 1.19x over plain decoding where the whole vocabulary gave 1.12x
+        (benchmarks/draft_shapes.py, AMD EPYC, 2 threads)."""
         return CPU_DRAFT_VOCAB if device.type == "cpu" else None
 
     def draft_shape(self, device: torch.device) -> tuple[int, int]:
         """(top_k, beam) of model drafters on `device`, the unset ones by default. On a CPU every
         verified row costs (Qwen2.5-Coder-1.5B: three rows 1.2x one) and a draft forward of
         several rows too, so chains, whose nodes are each the likeliest guess, beat trees whose
-        siblings are rarely accepted: with the 0.5B draft, adaptive chains gave 1.16x plain
-        decoding where adaptive 4-wide trees gave 0.89x (AMD EPYC, 2 threads, coding prompts).
-        On a GPU rows are nearly free up to tens of them, and trees win."""
+        siblings are rarely accepted: with the 0.5B draft, adaptive chains gave 1.12x plain
+        decoding where adaptive 4-wide trees gave 0.98x (benchmarks/draft_shapes.py, AMD EPYC,
+        2 threads). On a GPU rows are nearly free up to tens of them, and trees win."""
         wide = 1 if device.type == "cpu" else 4
         return (wide if self.draft_top_k is None else self.draft_top_k,
                 wide if self.draft_beam is None else self.draft_beam)
