@@ -41,6 +41,7 @@ def configurations(draft: str) -> dict[str, dict]:
                                                      "draft_vocab": WHOLE_VOCAB},
         "adaptive chains, whole vocabulary": {"draft": draft, **CHAIN, "draft_vocab": WHOLE_VOCAB},
         "adaptive chains, 32k tokens (CPU defaults)": {"draft": draft},
+        "adaptive chains, 32k tokens, int4 draft": {"draft": draft, "draft_quantization": "int4"},
         "fixed chains of 2, 32k tokens": {"draft": draft, "speculation": "fixed", "max_tree_tokens": 2, **CHAIN},
         "fixed chains of 3, 32k tokens": {"draft": draft, "speculation": "fixed", "max_tree_tokens": 3, **CHAIN},
     }

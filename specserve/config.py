@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 SPECULATION_MODES = ("adaptive", "fixed", "off")
-DRAFT_QUANTIZATIONS = ("int8",)
+DRAFT_QUANTIZATIONS = ("int8", "int4")
 CPU_DRAFT_VOCAB = 32768  # draft models' scored tokens on a CPU, for vocabularies over twice this
 # The server's limits (`specserve serve`): larger request bodies get 413; more requests in the
 # engine (running or waiting) get 503.
@@ -39,7 +39,7 @@ class EngineConfig:
     # Draft models: score only the first N token ids (N >= the vocabulary: all). None: all, except
     # on a CPU for vocabularies over 65536 tokens, 32768 (`CPU_DRAFT_VOCAB`).
     draft_vocab: int | None = None
-    draft_quantization: str | None = None  # draft models: "int8" projections (None: the draft's dtype)
+    draft_quantization: str | None = None  # draft models: "int8" or "int4" projections (None: as loaded)
     # "adaptive": each step's tree budgets maximise expected tokens/s under the measured cost
     # model; "fixed": every speculating request gets its cap; "off": the plain engine.
     speculation: str = "adaptive"
@@ -87,7 +87,7 @@ class EngineConfig:
         """What a large-vocabulary draft model scores when `draft_vocab` is not set (FR-Spec). On
         a CPU the LM head is a large share of a draft forward (Qwen2.5-Coder-0.5B's, 152k tokens:
         a third of its bytes), and with the first 32k tokens the 0.5B draft's chains sped coding
-        replies up 1.19x over plain decoding where the whole vocabulary gave 1.12x
+        replies up 1.19x over plain decoding where the whole vocabulary gave 1.14x
         (benchmarks/draft_shapes.py, AMD EPYC, 2 threads)."""
         return CPU_DRAFT_VOCAB if device.type == "cpu" else None
 
@@ -95,8 +95,8 @@ class EngineConfig:
         """(top_k, beam) of model drafters on `device`, the unset ones by default. On a CPU every
         verified row costs (Qwen2.5-Coder-1.5B: three rows 1.2x one) and a draft forward of
         several rows too, so chains, whose nodes are each the likeliest guess, beat trees whose
-        siblings are rarely accepted: with the 0.5B draft, adaptive chains gave 1.12x plain
-        decoding where adaptive 4-wide trees gave 0.98x (benchmarks/draft_shapes.py, AMD EPYC,
+        siblings are rarely accepted: with the 0.5B draft, adaptive chains gave 1.14x plain
+        decoding where adaptive 4-wide trees gave 0.99x (benchmarks/draft_shapes.py, AMD EPYC,
         2 threads). On a GPU rows are nearly free up to tens of them, and trees win."""
         wide = 1 if device.type == "cpu" else 4
         return (wide if self.draft_top_k is None else self.draft_top_k,

@@ -89,11 +89,16 @@ class Projection(DirectModule):
         self.quantized, self.fused_bias = list(weights), fused_bias
 
     def requantize(self, bits: int) -> None:
-        """Plain weights into blocks of `bits` (`BlockWeight.quantize`) that the CPU kernel runs."""
+        """The weights into blocks of `bits` (`BlockWeight.quantize`) that the CPU kernel runs:
+        plain ones, or blocks of other formats by their exact fp32 values (which then stack into
+        one fused weight where their formats differed, as a Q4_K_M file's q/k/v do)."""
         if self.quantized:
-            return
+            weight = torch.cat([w.dequantize() for w in self.quantized])
+            blocks = list(weight.split(self.out_sizes))
+        else:
+            blocks = self.blocks
         biases = list(self.fused_bias.split(self.out_sizes)) if self.fused_bias is not None else None
-        self.load_quantized([BlockWeight.quantize(w, bits) for w in self.blocks], biases)
+        self.load_quantized([BlockWeight.quantize(w, bits) for w in blocks], biases)
         self.blocks, self.biases, self.fused, self.packed = [], [], None, None
 
     def select_rows(self, rows: torch.Tensor) -> Projection:

@@ -150,10 +150,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     if quantization in REQUANTIZE_BITS:
         if dtype not in (None, "auto") and parse_dtype(dtype) != torch.float32:
             raise ValueError(f"{quantization} blocks compute in float32, not {dtype}: leave the dtype unset")
+        if (path / GGUF_FILE).exists():  # from the file's blocks, the result cached as theirs is
+            return load_gguf(path / GGUF_FILE, config, None, quantized=True, requantize=REQUANTIZE_BITS[quantization])
         model = load_model(path, torch.float32, "none")
-        for module in model.modules():
-            if isinstance(module, Projection):
-                module.requantize(REQUANTIZE_BITS[quantization])
+        _requantize(model, REQUANTIZE_BITS[quantization])
         return model
     if (path / GGUF_FILE).exists():
         # Quantized blocks compute in fp32: a model asked for in another dtype gets plain weights.
@@ -197,23 +197,34 @@ def load_transformers(path: str | Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **extra).eval()
 
 
-def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, quantized: bool) -> LlamaForCausalLM:
+def _requantize(model: LlamaForCausalLM, bits: int) -> None:
+    for module in model.modules():
+        if isinstance(module, Projection):
+            module.requantize(bits)
+
+
+def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, quantized: bool,
+              requantize: int | None = None) -> LlamaForCausalLM:
     """The model from a GGUF file: projections, LM head and embeddings in their own blocks
     (`quantized`; activations in fp32), or every weight dequantized exactly (`gguf`'s own fp32
-    values; in bf16 only where the dtype, given or the CPU's default, says so)."""
+    values; in bf16 only where the dtype, given or the CPU's default, says so). `requantize`: the
+    projections requantized into blocks of that many bits (`Projection.requantize`), the
+    embeddings kept in the file's blocks."""
     dtype = torch.float32 if quantized and dtype in (None, "auto") else parse_dtype(dtype)
     if quantized and dtype != torch.float32:
         raise ValueError(f"quantized GGUF weights compute in float32, not {dtype}: leave the dtype unset, or "
                          f"serve the dequantized weights with quantization none")
     if not quantized:
         return _build_gguf(file, config, dtype, quantized)
-    cached = prepared.prepared_path(file)
+    cached = prepared.prepared_path(file, requantize)
     if cached.exists():
         try:
             return prepared.load(cached, config)
         except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:  # unreadable: prepare it again
             log.warning("prepared weights %s unusable (%s); preparing them again", cached, e)
     model = _build_gguf(file, config, dtype, quantized)
+    if requantize is not None:
+        _requantize(model, requantize)
     try:
         if prepared.save(model, cached):
             log.info("prepared weights saved to %s: later starts map them", cached)

@@ -33,21 +33,24 @@ SCHEMA = 1  # bump when what is saved changes meaning
 WEIGHT_CLASSES = {cls.__name__: cls for cls in (BlockWeight, SuperBlockWeight)}
 
 
-def prepared_path(file: Path) -> Path:
-    """Where the prepared weights of GGUF `file` live: keyed by the file, the kernels and the layouts."""
+def prepared_path(file: Path, requantize: int | None = None) -> Path:
+    """Where the prepared weights of GGUF `file` live (`requantize`: its projections requantized to
+    that many bits): keyed by the file, the kernels and the layouts."""
     from specserve.pull import cache_dir
 
     stat = file.stat()
     digest = hashlib.sha256()
-    for part in (str(stat.st_size), str(stat.st_mtime_ns), native.build_key(), str(SCHEMA),
+    for part in (str(stat.st_size), str(stat.st_mtime_ns), native.build_key(), str(SCHEMA), str(requantize),
                  Path(gguf.__file__).read_text(), Path(linear.__file__).read_text()):
         digest.update(part.encode())
-    return cache_dir() / "prepared" / f"{_file_prefix(file)}{digest.hexdigest()[:16]}.safetensors"
+    return cache_dir() / "prepared" / f"{_file_prefix(file, requantize)}{digest.hexdigest()[:16]}.safetensors"
 
 
-def _file_prefix(file: Path) -> str:
-    """The part of the name that says which GGUF: every version of its prepared weights shares it."""
-    return f"{file.parent.name}-{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:8]}-"
+def _file_prefix(file: Path, requantize: int | None) -> str:
+    """The part of the name that says which GGUF, and which requantization of it: every version of
+    those prepared weights shares it (a requantized copy never replaces the file's own)."""
+    variant = "" if requantize is None else f"int{requantize}-"
+    return f"{file.parent.name}-{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:8]}-{variant}"
 
 
 def save(model: LlamaForCausalLM, path: Path) -> bool:
@@ -86,7 +89,8 @@ def save(model: LlamaForCausalLM, path: Path) -> bool:
     save_file(tensors, str(partial), metadata={"specserve": json.dumps(layout)})
     partial.replace(path)  # whole or absent: a crash mid-write leaves no half file under the real name
     for stale in path.parent.glob(f"{_file_prefix_of(path)}*.safetensors"):
-        if stale != path:  # the same GGUF prepared for other kernels or layouts: never read again
+        if stale != path and _file_prefix_of(stale) == _file_prefix_of(path):  # the same GGUF and requantization
+            # prepared for other kernels or layouts: never read again
             stale.unlink(missing_ok=True)
     return True
 

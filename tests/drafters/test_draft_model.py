@@ -29,3 +29,10 @@ def test_a_vocabulary_within_twice_the_default_is_scored_whole(draft_dir):
 def test_a_vocabulary_asked_for_wins_over_the_default(draft_dir):
     assert scored(DraftModelDrafter.load(str(draft_dir), None, vocab=200, default_vocab=100)) == set(range(200)) | {299}
     assert scored(DraftModelDrafter.load(str(draft_dir), None, vocab=10_000, default_vocab=100)) is None
+
+
+def test_an_int4_draft_runs_requantized_blocks_and_other_quantizations_are_refused(draft_dir):
+    assert DraftModelDrafter.load(str(draft_dir), None, quantization="int4").model.weight_format() == \
+        "requantized blocks int4"
+    with pytest.raises(ValueError, match="use int8, int4 or none"):
+        DraftModelDrafter.load(str(draft_dir), None, quantization="int2")

@@ -56,8 +56,8 @@ def test_config_files_refuse_unknown_settings(tmp_path):
     path.write_text("draft_vocab: 0\n")
     with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
         load_config_file(path)
-    path.write_text("draft_quantization: int4\n")
-    with pytest.raises(ValueError, match="draft_quantization 'int4': use int8 or none"):
+    path.write_text("draft_quantization: int2\n")
+    with pytest.raises(ValueError, match="draft_quantization 'int2': use int8, int4 or none"):
         load_config_file(path)
     path.write_text("speculation: sometimes\n")
     with pytest.raises(ValueError, match="use one of adaptive, fixed, off"):

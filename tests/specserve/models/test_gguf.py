@@ -228,6 +228,30 @@ def test_later_loads_map_the_prepared_weights_and_compute_the_same_bits(gguf_mod
                        run_chain_and_decodes(second, [5, 9, 2], [7, 1, 4])[0])
 
 
+def test_a_gguf_requantizes_from_its_own_values_and_keeps_both_prepared_versions(gguf_model, monkeypatch):
+    """int4 from a GGUF: each projection's blocks requantized from their exact fp32 values (one
+    fused weight however many formats it had), embeddings kept in the file's blocks; saved beside
+    the file's own prepared weights, not over them, and mapped at the next load."""
+    from specserve.models import loader, prepared
+    from specserve.models.linear import Projection, QuantizedEmbedding
+    from specserve.pull import GGUF_FILE
+
+    own = loader.load_model(gguf_model)
+    requantized = loader.load_model(gguf_model, quantization="int4")
+    assert requantized.weight_format() == "requantized blocks int4"
+    assert isinstance(requantized.embed_tokens, QuantizedEmbedding)
+    for name, module in requantized.named_modules():
+        if isinstance(module, Projection):
+            exact = torch.cat([w.dequantize() for w in dict(own.named_modules())[name].quantized])
+            (weight,) = module.quantized
+            assert torch.equal(weight.codes, BlockWeight.quantize(exact, 4).codes)
+    assert prepared.prepared_path(gguf_model / GGUF_FILE).exists()
+    assert prepared.prepared_path(gguf_model / GGUF_FILE, 4).exists()
+    monkeypatch.setattr(loader, "GGUFWeights", None)  # neither load may open the GGUF again
+    assert loader.load_model(gguf_model, quantization="int4").weight_format() == "requantized blocks int4"
+    assert loader.load_model(gguf_model).weight_format() == own.weight_format()
+
+
 def test_an_unreadable_prepared_file_is_prepared_again(gguf_model):
     from specserve.models import loader, prepared
     from specserve.pull import GGUF_FILE
