@@ -150,7 +150,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     if quantization in REQUANTIZE_BITS:
         if dtype not in (None, "auto") and parse_dtype(dtype) != torch.float32:
             raise ValueError(f"{quantization} blocks compute in float32, not {dtype}: leave the dtype unset")
-        if (path / GGUF_FILE).exists():  # from the file's blocks, the result cached as theirs is
+        if (path / GGUF_FILE).exists():  # from the file's own blocks, the result cached as they are
             return load_gguf(path / GGUF_FILE, config, None, quantized=True, requantize=REQUANTIZE_BITS[quantization])
         model = load_model(path, torch.float32, "none")
         _requantize(model, REQUANTIZE_BITS[quantization])

@@ -88,9 +88,10 @@ def save(model: LlamaForCausalLM, path: Path) -> bool:
     partial = path.with_suffix(f".{os.getpid()}.partial")
     save_file(tensors, str(partial), metadata={"specserve": json.dumps(layout)})
     partial.replace(path)  # whole or absent: a crash mid-write leaves no half file under the real name
+    # The same GGUF (and requantization) prepared for other kernels or layouts: never read again.
+    # (The glob alone would also match the file's requantized copies, whose prefix extends this one.)
     for stale in path.parent.glob(f"{_file_prefix_of(path)}*.safetensors"):
-        if stale != path and _file_prefix_of(stale) == _file_prefix_of(path):  # the same GGUF and requantization
-            # prepared for other kernels or layouts: never read again
+        if stale != path and _file_prefix_of(stale) == _file_prefix_of(path):
             stale.unlink(missing_ok=True)
     return True
 
