@@ -7,7 +7,7 @@ MKL matmuls; the same in bf16 through oneDNN; transformers on the same GGUF in f
 a 1 GiB tensor) and so the time a decode step needs at least: its weights read once. Reported
 per candidate, as the CPU issue asks: decode / weights-read time (target <= 1.5) and 8-node tree
 / decode (target <= 1.3). Contenders take turns, each timed back to back after its own warm-up
-(`interleaved`); medians.
+(`in_turns`); medians.
 
     python benchmarks/forward.py [--model smollm2-135m-instruct] [--repeats 15]
 """
@@ -126,7 +126,7 @@ def transformers_step(model, prefix: list[int], tree: TokenTree) -> Callable[[],
     return run
 
 
-def interleaved(steps: dict[str, Callable[[], float]], repeats: int, warmup: int,
+def in_turns(steps: dict[str, Callable[[], float]], repeats: int, warmup: int,
                 rounds: int = 3) -> dict[str, list[float]]:
     """The contenders in turn, `rounds` times, each time `warmup` untimed calls and then its share
     of `repeats` back to back: a contender is timed in its steady state, as a server running that
@@ -178,7 +178,7 @@ def main() -> None:
         for name, model in peers.items():
             if (step := transformers_step(model, prefix, tree)) is not None:
                 steps[name] = step
-        for name, times in interleaved(steps, args.repeats, args.warmup).items():
+        for name, times in in_turns(steps, args.repeats, args.warmup).items():
             medians[name][shape] = statistics.median(times)
             all_times[name][shape] = times
 
