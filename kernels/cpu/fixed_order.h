@@ -13,6 +13,18 @@ namespace specserve {
 
 constexpr int kLanes = 16;  // partial sums, reduced pairwise in a fixed order
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// The 16 lanes' partial sums reduced pairwise: lanes j + 8, then j + 4, j + 2, j + 1, as the
+// portable loop of fixed_order_dot.
+inline float fixed_order_sum(__m512 acc) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+#endif
+
 inline float fixed_order_dot(const float* a, const float* b, int64_t n) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   // The same sums as below, in one register: lane j takes elements j, j + 16, ...
@@ -23,12 +35,7 @@ inline float fixed_order_dot(const float* a, const float* b, int64_t n) {
     const __mmask16 live = static_cast<__mmask16>((1u << (n - i)) - 1);
     acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(live, a + i), _mm512_maskz_loadu_ps(live, b + i), acc, live);
   }
-  // pairwise halves: lanes j + 8, then j + 4, j + 2, j + 1, as the portable loop
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-  return _mm_cvtss_f32(s1);
+  return fixed_order_sum(acc);
 #endif
   float lanes[kLanes] = {0};
   int64_t d = 0;

@@ -21,6 +21,68 @@
 
 namespace {
 
+constexpr int64_t kMaxGroup = 64;  // query heads per KV head (models have up to 16)
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// Vector paths for head sizes of C * 16: each head's scores and sums take exactly the steps of
+// the portable loops below (fixed_order_dot; fma over keys in order), with a key's K or V row
+// loaded once for all heads of the part and the sums kept in registers.
+template <int C>
+void scores_of(const float* q, const float* k, int64_t row_stride, const int64_t* slots, int64_t keys,
+               int64_t heads, float scale, float* scores, int64_t stride) {
+  for (int64_t i = 0; i < keys; ++i) {
+    const float* krow = k + slots[i] * row_stride;
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(krow + 16 * c);
+    for (int64_t h = 0; h < heads; ++h) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * C * 16 + 16 * c), kv[c], acc);
+      scores[h * stride + i] = specserve::fixed_order_sum(acc) * scale;
+    }
+  }
+}
+
+template <int C>
+void values_of(const float* scores, int64_t stride, const float* v, int64_t row_stride, const int64_t* slots,
+               int64_t keys, int64_t heads, float* out) {
+  constexpr int kHeads = C <= 4 ? 4 : 2;  // accumulators in registers: kHeads * C of 32
+  for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
+    const int64_t n = std::min<int64_t>(kHeads, heads - h0);
+    __m512 acc[kHeads][C];
+    for (int h = 0; h < kHeads; ++h)
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < keys; ++i) {
+      const float* vrow = v + slots[i] * row_stride;
+      for (int h = 0; h < n; ++h) {
+        const __m512 weight = _mm512_set1_ps(scores[(h0 + h) * stride + i]);
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vrow + 16 * c), acc[h][c]);
+      }
+    }
+    for (int h = 0; h < n; ++h)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (h0 + h) * C * 16 + 16 * c, acc[h][c]);
+  }
+}
+#endif
+
+// False where no vector path fits the head size (the caller's portable loop runs instead).
+bool head_scores(int64_t D, const float* q, const float* k, int64_t row_stride, const int64_t* slots, int64_t keys,
+                 int64_t heads, float scale, float* scores, int64_t stride) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (D == 64) return scores_of<4>(q, k, row_stride, slots, keys, heads, scale, scores, stride), true;
+  if (D == 128) return scores_of<8>(q, k, row_stride, slots, keys, heads, scale, scores, stride), true;
+#endif
+  return false;
+}
+
+bool head_values(int64_t D, const float* scores, int64_t stride, const float* v, int64_t row_stride,
+                 const int64_t* slots, int64_t keys, int64_t heads, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (D == 64) return values_of<4>(scores, stride, v, row_stride, slots, keys, heads, out), true;
+  if (D == 128) return values_of<8>(scores, stride, v, row_stride, slots, keys, heads, out), true;
+#endif
+  return false;
+}
+
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                           const at::Tensor& block_tables, const at::Tensor& ancestor_mask, double scale) {
@@ -55,45 +117,68 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = sp[b]; t < sp[b + 1]; ++t) request[t] = b;
 
-  at::parallel_for(0, T * Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its heads
-    std::vector<float> scores;
-    int64_t slots_of = -1;
+  // Work items are (token, KV head, part of that head's query group): a K/V row is loaded once
+  // for the part's query heads (not once per head) while each head keeps its own sequence of
+  // operations, so results do not depend on how heads are grouped. Groups are split into parts
+  // only as far as it takes to give every thread work in a one-token step.
+  TORCH_CHECK(group <= kMaxGroup, "tree_attention: at most ", kMaxGroup, " query heads per KV head");
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::min(group, std::max<int64_t>(1, (2 * threads + T * Hkv - 1) / (T * Hkv)));
+  const int64_t per_part = (group + parts - 1) / parts;
+  at::parallel_for(0, T * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slots;  // the visible keys of the item's token
+    std::vector<float> scores;  // [heads of the part][keys + kExpPad]
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / Hq, h = item % Hq, b = request[t], node = t - sp[b], context = cp[b];
-      const int64_t kv_head = h / group;
-      if (t != slots_of) {
-        auto slot_of = [&](int64_t position) {
-          return tp[b * max_blocks + position / block_size] * block_size + position % block_size;
-        };
-        slots.clear();
-        for (int64_t p = 0; p < context; ++p) slots.push_back(slot_of(p));
-        const bool* ancestors = mp + (b * max_n + node) * max_n;
-        for (int64_t j = 0; j <= node; ++j)
-          if (ancestors[j]) slots.push_back(slot_of(context + j));
-        slots_of = t;
+      const int64_t t = item / (Hkv * parts), kv_head = item / parts % Hkv, part = item % parts;
+      const int64_t first = kv_head * group + part * per_part;
+      const int64_t heads = std::min(per_part, (kv_head + 1) * group - first);
+      if (heads <= 0) continue;
+      const int64_t b = request[t], node = t - sp[b], context = cp[b];
+      auto slot_of = [&](int64_t position) {
+        return tp[b * max_blocks + position / block_size] * block_size + position % block_size;
+      };
+      slots.clear();
+      for (int64_t p = 0; p < context; ++p) slots.push_back(slot_of(p));
+      const bool* ancestors = mp + (b * max_n + node) * max_n;
+      for (int64_t j = 0; j <= node; ++j)
+        if (ancestors[j]) slots.push_back(slot_of(context + j));
+      const int64_t keys = static_cast<int64_t>(slots.size()), stride = keys + specserve::kExpPad;
+      scores.resize(heads * stride);
+      const float* qrows = qp + (t * Hq + first) * D;
+      const float* kbase = kp + kv_head * D;
+      if (!head_scores(D, qrows, kbase, Hkv * D, slots.data(), keys, heads, fscale, scores.data(), stride)) {
+        for (int64_t i = 0; i < keys; ++i) {
+          const float* krow = kbase + slots[i] * Hkv * D;
+          for (int64_t h = 0; h < heads; ++h)
+            scores[h * stride + i] = specserve::fixed_order_dot(qrows + h * D, krow, D) * fscale;
+        }
       }
-      const float* qrow = qp + (t * Hq + h) * D;
-      const int64_t keys = static_cast<int64_t>(slots.size());
-      scores.resize(keys + specserve::kExpPad);
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < keys; ++i) {
-        scores[i] = specserve::fixed_order_dot(qrow, kp + (slots[i] * Hkv + kv_head) * D, D) * fscale;
-        best = std::max(best, scores[i]);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* s = scores.data() + h * stride;
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < keys; ++i) best = std::max(best, s[i]);
+        for (int64_t i = 0; i < keys; ++i) s[i] -= best;
+        specserve::exp_in_place(s, keys);
       }
-      for (int64_t i = 0; i < keys; ++i) scores[i] -= best;
-      specserve::exp_in_place(scores.data(), keys);
-      float* orow = op + (t * Hq + h) * D;
-      std::fill(orow, orow + D, 0.f);
-      float total = 0.f;
-      for (int64_t i = 0; i < keys; ++i) {
-        const float weight = scores[i];
-        total += weight;
-        const float* vrow = vp + (slots[i] * Hkv + kv_head) * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = std::fma(weight, vrow[d], orow[d]);
+      float* orows = op + (t * Hq + first) * D;
+      const float* vbase = vp + kv_head * D;
+      if (!head_values(D, scores.data(), stride, vbase, Hkv * D, slots.data(), keys, heads, orows)) {
+        std::fill(orows, orows + heads * D, 0.f);
+        for (int64_t i = 0; i < keys; ++i) {
+          const float* vrow = vbase + slots[i] * Hkv * D;
+          for (int64_t h = 0; h < heads; ++h) {
+            const float weight = scores[h * stride + i];
+            float* orow = orows + h * D;
+            for (int64_t d = 0; d < D; ++d) orow[d] = std::fma(weight, vrow[d], orow[d]);
+          }
+        }
       }
-      const float inverse = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) orow[d] *= inverse;
+      for (int64_t h = 0; h < heads; ++h) {
+        float total = 0.f;
+        for (int64_t i = 0; i < keys; ++i) total += scores[h * stride + i];
+        const float inverse = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) orows[h * D + d] *= inverse;
+      }
     }
   });
   return out;
