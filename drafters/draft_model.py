@@ -4,7 +4,8 @@ Its K/V live in its own tensors, indexed by the *same* block tables as the targe
 block manager accounts for both (the engine sizes the pool by their summed bytes per block).
 The draft keeps, per sequence, how many leading tokens have draft K/V; each step's first
 round runs the tokens it has not seen (the accepted run and the bonus token of the last step,
-or a whole prompt) as one chain ending at the root, then grows the tree from there.
+or a whole prompt) as one chain ending at the root, then grows the tree from there; a chain
+grows by its newest node alone, the K/V of the rest being in place.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ class DraftModelDrafter(TreeSearchDrafter):
         limit = self.model.config.vocab_size - 1  # target-only special tokens: any id will do for a draft
         if search.rounds:
             tree = super()._tree_request(search)
-            if tree.tree.tokens[0] > limit:
-                tree.tree = TokenTree((limit, *tree.tree.tokens[1:]), tree.tree.parents)
+            tokens = tree.tree.tokens
+            if tree.tree.is_chain and tuple(tree.logits) == (len(tokens) - 1,):
+                # Each earlier round ran one node of the chain, leaving its K/V at its slot
+                # (node i at context + i): the newest node alone, attending to them as context.
+                return TreeRequest(TokenTree.chain([tokens[-1]]), tree.context_len + len(tokens) - 1,
+                                   request.block_table, "all")
+            if tokens[0] > limit:
+                tree.tree = TokenTree((limit, *tokens[1:]), tree.tree.parents)
             return tree
         total = len(request.token_ids)
         done = self._computed.get(request.seq_id, 0)

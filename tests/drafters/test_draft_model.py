@@ -1,10 +1,15 @@
-"""Draft models: what a large vocabulary's LM head scores unless told (FR-Spec's frequent tokens)."""
+"""Draft models: what a large vocabulary's LM head scores unless told (FR-Spec's frequent tokens),
+and what they propose."""
 
 from __future__ import annotations
 
 import pytest
 
+from drafters.base import DraftRequest, DraftTarget
 from drafters.draft_model import DraftModelDrafter
+from specserve.kv_cache import KVCache
+from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.tree import TokenTree
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +48,26 @@ def test_an_int4_draft_runs_requantized_blocks_and_other_quantizations_are_refus
         "requantized blocks int4"
     with pytest.raises(ValueError, match="use int8, int4 or none"):
         DraftModelDrafter.load(str(draft_dir), None, quantization="int2")
+
+
+def greedy_continuation(model, prompt: list[int], count: int) -> list[int]:
+    """The draft model's own greedy tokens, each from a fresh forward of the whole sequence."""
+    tokens = list(prompt)
+    for _ in range(count):
+        cache = KVCache.for_model(model.config, 8, 16, model.dtype)
+        logits = ModelRunner(model, cache).forward([TreeRequest(TokenTree.chain(tokens), 0, range(8), "last")])
+        tokens.append(int(logits[0].logits[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_a_chain_draft_is_the_draft_models_greedy_continuation_step_after_step(draft_dir):
+    drafter = DraftModelDrafter.load(str(draft_dir), None, top_k=1, beam=1)
+    drafter.attach(DraftTarget(runner=None, num_blocks=8, block_size=16, vocab_size=300))
+    tokens = [5, 17, 42, 9, 120, 7]
+    for seq_step in range(3):  # later steps catch up on the accepted run before growing the chain
+        request = DraftRequest(seq_id=1, token_ids=tokens, max_nodes=4, max_depth=4, block_table=range(8),
+                               shape="chain")
+        chain = drafter.propose([request])[0].tree
+        assert chain.is_chain and len(chain) == 5
+        assert list(chain.tokens[1:]) == greedy_continuation(drafter.model, tokens, 4)
+        tokens = tokens + list(chain.tokens[1:3]) + [(seq_step * 37 + 11) % 300]  # two accepted, a bonus
