@@ -3,7 +3,8 @@ each configuration a separate engine in one process, taking turns request by req
 
 Configurations: plain decoding; adaptive speculation with 4-wide trees and the whole vocabulary
 (the GPU defaults); adaptive chains with the whole vocabulary; adaptive chains over the draft's
-first 32k tokens (the CPU defaults); fixed chains of 2 and 3 over those tokens. Greedy, Spec-Bench
+first 32k tokens (the CPU defaults), and with the draft requantized to int4; fixed chains of 2
+and 3 over those tokens, with the GGUF's draft and with int4. Greedy, Spec-Bench
 coding prompts in the target's chat template, 128 tokens each (EOS ignored). Turns request by
 request spread a busy VM's drift over all of them; each request's speed-up is over the plain
 engine's on the same prompt and turn, and the table gives their median.
@@ -44,6 +45,10 @@ def configurations(draft: str) -> dict[str, dict]:
         "adaptive chains, 32k tokens, int4 draft": {"draft": draft, "draft_quantization": "int4"},
         "fixed chains of 2, 32k tokens": {"draft": draft, "speculation": "fixed", "max_tree_tokens": 2, **CHAIN},
         "fixed chains of 3, 32k tokens": {"draft": draft, "speculation": "fixed", "max_tree_tokens": 3, **CHAIN},
+        "fixed chains of 2, 32k tokens, int4 draft": {"draft": draft, "speculation": "fixed", "max_tree_tokens": 2,
+                                                      **CHAIN, "draft_quantization": "int4"},
+        "fixed chains of 3, 32k tokens, int4 draft": {"draft": draft, "speculation": "fixed", "max_tree_tokens": 3,
+                                                      **CHAIN, "draft_quantization": "int4"},
     }
 
 

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import venv
+from collections.abc import Sequence
 from pathlib import Path
 
 from specserve.pull import cache_dir
@@ -77,14 +78,19 @@ def _install(name: str) -> None:
         raise ValueError(f"unknown peer {name!r}: expected vllm, llama_cpp or transformers")
 
 
-def ensure(name: str) -> Path:
-    """The peer's python, installing its venv first if it is not complete."""
+def ensure(name: str, packages: Sequence[str] = ()) -> Path:
+    """The peer's python, installing its venv first if it is not complete: a peer named above,
+    or a venv of just `packages` (a library a benchmark measures)."""
     stamp = peer_dir(name) / ".installed"
-    if not stamp.exists():
+    wanted = " ".join(packages) or "ok"
+    if not stamp.exists() or stamp.read_text().strip() != wanted:
         print(f"installing peer {name} into {peer_dir(name)} (once)", file=sys.stderr, flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(peer_dir(name))
-        _install(name)
-        stamp.write_text("ok\n")
+        if packages:
+            _pip(name, *packages)
+        else:
+            _install(name)
+        stamp.write_text(wanted + "\n")
     return python_of(name)
 
 

@@ -47,7 +47,8 @@ class DraftModelDrafter(TreeSearchDrafter):
         if quantization not in (None, "int8", "int4"):
             raise ValueError(f"draft quantization {quantization!r}: use int8, int4 or none")
         path: Path = resolve_model(name_or_path)
-        model = load_model(path, dtype, "int4" if quantization == "int4" else "auto")
+        # int4 blocks compute in fp32 whatever the target's dtype (the draft's K/V are its own)
+        model = load_model(path, None, "int4") if quantization == "int4" else load_model(path, dtype, "auto")
         if vocab is None and default_vocab is not None and model.config.vocab_size > 2 * default_vocab:
             vocab = default_vocab
         if vocab is not None and vocab < model.config.vocab_size:

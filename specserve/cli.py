@@ -245,8 +245,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft models: score only the N most frequent token ids (a cheaper LM head; N >= the "
                         "vocabulary: all; default: all, or 32768 on a CPU for vocabularies over 65536)")
     p.add_argument("--draft-quantization", choices=["int8", "int4", "none"], default=None,
-                   help="draft models: int8 projections (plain weights: half the bytes per draft forward), or "
-                        "int4 blocks for the CPU kernel (a GGUF's 5- to 8-bit blocks too; default: none)")
+                   help="draft models: int8 projections (plain weights: half the bytes per draft forward), "
+                        "int4 blocks for the CPU kernel (a GGUF's 5- to 8-bit blocks too), or none (as loaded); "
+                        "default: int4 on a CPU, none on a GPU")
     p.add_argument("--kv-cache-memory", default=None,
                    help=f"KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2); "
                         f"default {DEFAULT_KV_CACHE_MEMORY}")

@@ -84,7 +84,7 @@ class LLMEngine:
         top_k, beam = self.config.draft_shape(device)
         self._draft_options = DrafterOptions(top_k=top_k, beam=beam, dtype=self.model.dtype,
                                              vocab=self.config.draft_vocab,
-                                             quantization=self.config.draft_quantization,
+                                             quantization=self.config.draft_quantization_for(device),
                                              default_vocab=self.config.default_draft_vocab(device))
         self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
         self._draft_target: DraftTarget | None = None

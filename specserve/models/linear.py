@@ -69,15 +69,17 @@ class Projection(DirectModule):
         # their formats differ (a Q4_K_M file mixes Q4_K and Q6_K within q/k/v).
         self.quantized: list[QuantizedRows] = []
 
-    def load_quantized(self, blocks: Sequence[QuantizedRows], biases: Sequence[torch.Tensor] | None) -> None:
-        """Take GGUF block weights (one per block, in order); they stay in their own format."""
+    def load_quantized(self, blocks: Sequence[QuantizedRows], biases: Sequence[torch.Tensor] | None,
+                       tiles: bool = True) -> None:
+        """Take GGUF block weights (one per block, in order); they stay in their own format.
+        `tiles=False` leaves this CPU's layout to the first matmul (weights about to be requantized)."""
         shapes = [b.shape for b in blocks]
         if shapes != [(n, self.in_features) for n in self.out_sizes]:
             raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
         self.fused_bias = torch.cat([b.float() for b in biases]) if biases else None
         fused = QuantizedRows.stack(list(blocks))
         self.quantized = [fused] if fused is not None else list(blocks)
-        for weight in self.quantized:
+        for weight in self.quantized if tiles else ():
             weight.tiles()  # this CPU's layout made now, not in the first request's step
 
     def restore_quantized(self, weights: Sequence[QuantizedRows], fused_bias: torch.Tensor | None) -> None:

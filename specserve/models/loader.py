@@ -222,7 +222,7 @@ def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, 
             return prepared.load(cached, config)
         except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:  # unreadable: prepare it again
             log.warning("prepared weights %s unusable (%s); preparing them again", cached, e)
-    model = _build_gguf(file, config, dtype, quantized)
+    model = _build_gguf(file, config, dtype, quantized, tiles=requantize is None)
     if requantize is not None:
         _requantize(model, requantize)
     try:
@@ -233,7 +233,8 @@ def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, 
     return model
 
 
-def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool) -> LlamaForCausalLM:
+def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool,
+                tiles: bool = True) -> LlamaForCausalLM:
     source = GGUFWeights(file, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                          llama_rope_order=config.model_type in ("llama", "mistral"))
     pack = not quantized and packing_available(dtype)
@@ -245,7 +246,7 @@ def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: 
         weights = [source.take(f"{prefix}{n}.weight", quantized=quantized) for n in names]
         biases = [plain(f"{prefix}{n}.bias") for n in names] if bias else None
         if all(isinstance(w, QuantizedRows) for w in weights):
-            module.load_quantized(weights, biases)
+            module.load_quantized(weights, biases, tiles)
         else:  # a format the kernel does not take: gguf dequantized it
             dense = [(w.dequantize() if isinstance(w, QuantizedRows) else w).to(dtype) for w in weights]
             module.load(dense, biases, pack=pack)
@@ -270,7 +271,7 @@ def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: 
     if "lm_head.weight" in source.names():
         projection(model.lm_head, "", ["lm_head"], False)
     elif isinstance(embedding, QuantizedRows):  # tied: the head reads the embedding's own blocks
-        model.lm_head.load_quantized([embedding], None)
+        model.lm_head.load_quantized([embedding], None, tiles)
     else:
         model.lm_head.load([model.embed_tokens.weight.data], None, pack=pack)
     if source.names():

@@ -4,6 +4,7 @@ and what they propose."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from drafters.base import DraftRequest, DraftTarget
 from drafters.draft_model import DraftModelDrafter
@@ -46,6 +47,8 @@ def test_a_vocabulary_asked_for_wins_over_the_default(draft_dir):
 def test_an_int4_draft_runs_requantized_blocks_and_other_quantizations_are_refused(draft_dir):
     assert DraftModelDrafter.load(str(draft_dir), None, quantization="int4").model.weight_format() == \
         "requantized blocks int4"
+    # the blocks compute in fp32 beside a bf16 target (the draft's K/V are its own)
+    assert DraftModelDrafter.load(str(draft_dir), torch.bfloat16, quantization="int4").model.dtype == torch.float32
     with pytest.raises(ValueError, match="use int8, int4 or none"):
         DraftModelDrafter.load(str(draft_dir), None, quantization="int2")
 

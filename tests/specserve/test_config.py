@@ -87,6 +87,16 @@ def test_model_drafters_draft_chains_on_a_cpu_and_trees_elsewhere_unless_told():
     assert EngineConfig(draft_top_k=3, draft_beam=2).draft_shape(torch.device("cpu")) == (3, 2)
 
 
+def test_draft_models_read_int4_blocks_on_a_cpu_unless_told():
+    import torch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().draft_quantization_for(cpu) == "int4"
+    assert EngineConfig().draft_quantization_for(cuda) is None
+    assert EngineConfig(draft_quantization="none").draft_quantization_for(cpu) is None
+    assert EngineConfig(draft_quantization="int8").draft_quantization_for(cpu) == "int8"
+
+
 def test_large_vocabulary_drafts_score_their_frequent_tokens_on_a_cpu_only():
     import torch
 
