@@ -4,8 +4,9 @@ Its K/V live in its own tensors, indexed by the *same* block tables as the targe
 block manager accounts for both (the engine sizes the pool by their summed bytes per block).
 The draft keeps, per sequence, how many leading tokens have draft K/V; each step's first
 round runs the tokens it has not seen (the accepted run and the bonus token of the last step,
-or a whole prompt) as one chain ending at the root, then grows the tree from there; a chain
-grows by its newest node alone, the K/V of the rest being in place.
+or a whole prompt) as one chain ending at the root, then grows the tree from there. A chain
+grows by its newest node alone, the K/V of the rest being in place, and the nodes the target
+accepts keep theirs: the next step runs only the last drafted node and the bonus token.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class DraftModelDrafter(TreeSearchDrafter):
         self.model, self.spec = model, spec
         self.runner: ModelRunner | None = None
         self._computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft K/V are in place
+        # seq_id -> the chain nodes whose K/V the last drafting rounds wrote after those tokens,
+        # in order: those the sequence now holds at their positions need no second forward
+        self._ahead: dict[int, list[int]] = {}
 
     @classmethod
     def load(cls, name_or_path: str, dtype: str | torch.dtype | None, top_k: int = 4, beam: int = 4,
@@ -71,6 +75,7 @@ class DraftModelDrafter(TreeSearchDrafter):
 
     def release(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)
+        self._ahead.pop(seq_id, None)
 
     def _tree_request(self, search: _Search) -> TreeRequest:
         request = search.request
@@ -81,14 +86,23 @@ class DraftModelDrafter(TreeSearchDrafter):
             if tree.tree.is_chain and tuple(tree.logits) == (len(tokens) - 1,):
                 # Each earlier round ran one node of the chain, leaving its K/V at its slot
                 # (node i at context + i): the newest node alone, attending to them as context.
-                return TreeRequest(TokenTree.chain([tokens[-1]]), tree.context_len + len(tokens) - 1,
-                                   request.block_table, "all")
+                position = tree.context_len + len(tokens) - 1
+                ahead = self._ahead.setdefault(request.seq_id, [])
+                if position == self._computed.get(request.seq_id, 0) + len(ahead):
+                    ahead.append(tokens[-1])
+                return TreeRequest(TokenTree.chain([tokens[-1]]), position, request.block_table, "all")
             if tokens[0] > limit:
                 tree.tree = TokenTree((limit, *tokens[1:]), tree.tree.parents)
             return tree
         total = len(request.token_ids)
         done = self._computed.get(request.seq_id, 0)
         done = done if done < total else 0  # cannot happen unless state went stale: recompute
+        # K/V at a position depend only on the tokens up to it: nodes run ahead that the sequence
+        # now holds at their positions are in place (the root always runs: its logits are wanted)
+        for token in self._ahead.pop(request.seq_id, []) if done else ():
+            if done >= total - 1 or request.token_ids[done] != token:
+                break
+            done += 1
         self._computed[request.seq_id] = total
         chain = [min(int(t), limit) for t in request.token_ids[done:]]
         return TreeRequest(TokenTree.chain(chain), done, request.block_table, "last")

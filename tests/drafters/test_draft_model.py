@@ -66,11 +66,23 @@ def greedy_continuation(model, prompt: list[int], count: int) -> list[int]:
 def test_a_chain_draft_is_the_draft_models_greedy_continuation_step_after_step(draft_dir):
     drafter = DraftModelDrafter.load(str(draft_dir), None, top_k=1, beam=1)
     drafter.attach(DraftTarget(runner=None, num_blocks=8, block_size=16, vocab_size=300))
+    rows = []
+    forward = drafter.runner.forward
+    drafter.runner.forward = lambda requests: rows.append([len(r.tree) for r in requests]) or forward(requests)
     tokens = [5, 17, 42, 9, 120, 7]
-    for seq_step in range(3):  # later steps catch up on the accepted run before growing the chain
+    # (accepted nodes, tokens decoded without drafting after the step's bonus token)
+    steps = [(2, []), (1, [3, 250]), (0, []), (4, []), (0, [])]
+    new_tokens = len(tokens)  # what the next step's first forward must run: the prompt at first
+    for accepted, plain in steps:
         request = DraftRequest(seq_id=1, token_ids=tokens, max_nodes=4, max_depth=4, block_table=range(8),
                                shape="chain")
+        rows.clear()
         chain = drafter.propose([request])[0].tree
         assert chain.is_chain and len(chain) == 5
         assert list(chain.tokens[1:]) == greedy_continuation(drafter.model, tokens, 4)
-        tokens = tokens + list(chain.tokens[1:3]) + [(seq_step * 37 + 11) % 300]  # two accepted, a bonus
+        # accepted nodes were run as they were drafted (all but the last); a chain grows by its newest node
+        assert rows == [[new_tokens]] + [[1]] * 3
+        drafted = list(chain.tokens[1:])
+        bonus = (drafted[accepted] + 1) % 300 if accepted < 4 else 11  # a token the draft did not guess
+        tokens = tokens + drafted[:accepted] + [bonus] + plain
+        new_tokens = (accepted == 4) + 1 + len(plain)
