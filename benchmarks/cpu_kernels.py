@@ -14,8 +14,8 @@ Candidates (each where this machine can run it):
 - torch fp32 (MKL) and bf16 (oneDNN) on the dequantized weights
 - torch `_weight_int8pack_mm` (per-output-channel int8) and `_weight_int4pack_mm_for_cpu` (groups
   of 32, bf16 scales and zeros) with bf16 activations
-- torchao 0.18's int8-activation int4-weight CPU layout (`da8w4`) and zentorch's fp32 linear,
-  each run by this script inside a virtual environment of its own under the user cache
+- torchao 0.18's CPU configs (int8 weight-only; int8 dynamic activations) and zentorch's fp32
+  linear, each run by this script inside a virtual environment of its own under the user cache
 
     python benchmarks/cpu_kernels.py [--shapes 8960x1536,1536x576] [--rows 1,2,4,8,16,32,64]
 """
@@ -27,16 +27,16 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import write_report
 
 RESULTS = Path(__file__).parent / "results"
 CACHE_BYTES = 128 << 20  # copies of a weight cycled through: several times any L3 here
-LIBRARIES = {"torchao": ["torchao==0.18.0"], "zentorch": ["zentorch==2.13.0.1"]}
+LIBRARIES = {"torchao": ["torchao==0.18.0", "numpy"], "zentorch": ["zentorch==2.13.0.1"]}
 
 
 def q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,16 +96,19 @@ def project_candidates() -> dict[str, Make]:
 def library_candidates(library: str) -> dict[str, Make]:
     """The candidates a library's own environment runs (this script, re-run there)."""
     if library == "torchao":
-        from torchao.dtypes import Int8DynamicActInt4WeightCPULayout
-        from torchao.quantization import Int8DynamicActivationInt4WeightConfig, quantize_
+        # torchao 0.18's wheel has no CPU kernels of its own (its da8w4 CPU layout is gone from
+        # the API): its CPU configs run torch's ops, int8 weight-only and int8 x int8 dynamic
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
-        def da8w4(w: torch.Tensor):
-            linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(torch.bfloat16)
-            linear.weight.data.copy_(w)
-            quantize_(linear, Int8DynamicActivationInt4WeightConfig(group_size=32,
-                                                                   layout=Int8DynamicActInt4WeightCPULayout()))
-            return lambda x: linear(x.bfloat16()).float()
-        return {"torchao da8w4 (int8 x, int4 w)": da8w4}
+        def config(make_config) -> Make:
+            def make(w: torch.Tensor):
+                linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(torch.bfloat16)
+                linear.weight.data.copy_(w)
+                quantize_(linear, make_config())
+                return lambda x: linear(x.bfloat16()).float()
+            return make
+        return {"torchao int8 weight-only (bf16 x)": config(Int8WeightOnlyConfig),
+                "torchao int8 dynamic (int8 x)": config(Int8DynamicActivationInt8WeightConfig)}
     if library == "zentorch":
         import zentorch  # noqa: F401 - registers torch.ops.zentorch
 
@@ -180,13 +183,12 @@ def _bytes(call, exact: torch.Tensor) -> int:
 
 def run_library(library: str, args: argparse.Namespace) -> list[dict]:
     """This script inside the library's own venv (installed once), its records back."""
-    sys.path.insert(0, str(Path(__file__).parent))
     import peer_envs
 
     python = peer_envs.ensure(f"kernels-{library}", [peer_envs.TORCH, *LIBRARIES[library]])
     out = subprocess.run([str(python), __file__, "--library", library, "--shapes", args.shapes, "--rows", args.rows,
                           "--repeats", str(args.repeats)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ""})
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     if out.returncode != 0:
         return [{"candidate": library, "error": out.stderr.strip().splitlines()[-1][:300] if out.stderr else "failed"}]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -218,8 +220,6 @@ def main() -> None:
 
 
 def write_results(out: str, records: list[dict], shapes, rows: list[int], machine: str) -> None:
-    from report import write_report
-
     table, failed = [], []
     for n, k in shapes:
         names = list(dict.fromkeys(r["candidate"] for r in records if r.get("shape") == [n, k] and "rows" in r))
