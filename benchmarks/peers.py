@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,14 +153,18 @@ async def closed_loop(url: str, texts: list[str], concurrency: int, rounds: int,
         return [r for rs in await asyncio.gather(*(worker(i) for i in range(concurrency))) for r in rs]
 
 
-def summarize(records: list[dict]) -> dict:
-    span = max(r["done"] for r in records) - min(r["sent"] for r in records)
+def summarize(runs: list[list[dict]]) -> dict:
+    """One or more runs (turns) of a closed loop: tokens over the runs' summed spans, latencies pooled."""
+    span = sum(max(r["done"] for r in run) - min(r["sent"] for r in run) for run in runs)
+    records = [r for run in runs for r in run]
     tokens = sum(r["tokens"] for r in records)
-    return {"tok_s": tokens / span, "tokens": tokens, "requests": len(records), "wall_s": span,
+    return {"tok_s": tokens / span, "tokens": tokens, "requests": len(records), "wall_s": span, "turns": len(runs),
             "ttft": percentiles([r["ttft"] for r in records]), "tpot": percentiles([r["tpot"] for r in records])}
 
 
-def measure_server(server: Server, texts: list[str], levels: list[int], args, count_tokens) -> tuple[dict, float]:
+@contextmanager
+def started(server: Server) -> Iterator[tuple[str, float]]:
+    """The server running on a free port: (its URL, seconds until it answered its health check)."""
     port = free_port()
     log = Path(tempfile.gettempdir()) / f"peers-{server.name.replace(' ', '_').replace(',', '')}.log"
     url = f"http://127.0.0.1:{port}"
@@ -166,20 +172,65 @@ def measure_server(server: Server, texts: list[str], levels: list[int], args, co
         process = subprocess.Popen([*server.command, "--port", str(port)], stdout=log_file, stderr=subprocess.STDOUT,
                                    env={**os.environ, **server.env}, text=True, cwd=PEER_CWD)
         try:
-            ready_s = wait_ready(process, url + server.health, log)
-            results = {}
-            for c in levels:
-                # Warm-up: the shapes this concurrency meets, short.
-                asyncio.run(closed_loop(url, texts, c, 1, 16, server.extra_body, count_tokens))
-                rounds = args.rounds_batch1 if c == 1 else args.rounds
-                records = asyncio.run(closed_loop(url, texts, c, rounds, args.max_tokens, server.extra_body,
-                                                  count_tokens))
-                results[str(c)] = summarize(records)
-                tqdm.write(f"  {server.name} x{c}: {results[str(c)]['tok_s']:.1f} tok/s, "
-                           f"TPOT p50 {results[str(c)]['tpot']['p50'] * 1000:.1f} ms")
+            yield url, wait_ready(process, url + server.health, log)
         finally:
             stop(process)
-    return results, ready_s
+
+
+def measure_level(server: Server, url: str, texts: list[str], concurrency: int, args, count_tokens,
+                  warm: bool) -> list[dict]:
+    """One closed loop at `concurrency` (after a short warm-up loop where `warm`)."""
+    if warm:  # the shapes this concurrency meets, short
+        asyncio.run(closed_loop(url, texts, concurrency, 1, 16, server.extra_body, count_tokens))
+    rounds = args.rounds_batch1 if concurrency == 1 else args.rounds
+    return asyncio.run(closed_loop(url, texts, concurrency, rounds, args.max_tokens, server.extra_body, count_tokens))
+
+
+def measure_servers(servers: list[Server], texts: list[str], levels: list[int], args,
+                    count_tokens) -> tuple[dict[str, dict], dict[str, float]]:
+    """Every server's closed loops per concurrency. One turn (the default): each server alone,
+    started, measured and stopped in turn. `--turns N`: all servers running (idle but one), and
+    N turns of each measuring every level in turn, so the VM's drift spreads over all of them."""
+    http: dict[str, dict] = {}
+    ready: dict[str, float] = {}
+    runs: dict[str, dict[int, list[list[dict]]]] = {}
+
+    def measure(server: Server, url: str, turn: int) -> None:
+        for c in levels:
+            records = measure_level(server, url, texts, c, args, count_tokens, warm=turn == 0)
+            runs.setdefault(server.name, {}).setdefault(c, []).append(records)
+            tqdm.write(f"  {server.name} x{c} (turn {turn + 1}): {summarize([records])['tok_s']:.1f} tok/s")
+
+    def failed(server: Server, error: Exception) -> None:  # one peer failing must not lose the others' figures
+        tqdm.write(f"  {server.name} failed: {error}")
+        http[server.name] = {"error": str(error)[-1500:]}
+
+    if args.turns <= 1:
+        for server in tqdm(servers, desc="servers", unit="server"):
+            try:
+                with started(server) as (url, ready[server.name]):
+                    measure(server, url, 0)
+            except Exception as error:
+                failed(server, error)
+    else:
+        with ExitStack() as stack:
+            urls = {}
+            for server in servers:
+                try:
+                    urls[server.name], ready[server.name] = stack.enter_context(started(server))
+                except Exception as error:
+                    failed(server, error)
+            for turn in tqdm(range(args.turns), desc="turns", unit="turn"):
+                for server in servers:
+                    if server.name in urls and server.name not in http:
+                        try:
+                            measure(server, urls[server.name], turn)
+                        except Exception as error:
+                            failed(server, error)
+    for name, by_level in runs.items():
+        if name not in http:
+            http[name] = {str(c): summarize(turns) for c, turns in by_level.items()}
+    return http, ready
 
 
 def specserve_server(suite: Suite) -> Server:
@@ -327,14 +378,7 @@ def run_suite(suite: Suite, args) -> dict:
     if "vllm" in args.peers and suite.name in args.vllm_suites:
         hf_dir = hf_fp32_dir(model_dir)
         servers += [vllm_server(hf_dir, ngram=False), vllm_server(hf_dir, ngram=True)]
-    http: dict[str, dict] = {}
-    ready: dict[str, float] = {}
-    for server in tqdm(servers, desc=f"{suite.name}: servers", unit="server"):
-        try:
-            http[server.name], ready[server.name] = measure_server(server, texts, levels, args, count_tokens)
-        except Exception as error:  # one peer failing must not lose the others' figures
-            tqdm.write(f"  {server.name} failed: {error}")
-            http[server.name] = {"error": str(error)[-1500:]}
+    http, ready = measure_servers(servers, texts, levels, args, count_tokens)
     offline = specserve_offline(suite, model_dir, texts, levels, args)
     hf = {}
     if "transformers" in args.peers:
@@ -416,6 +460,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="requests per client at concurrency > 1")
     parser.add_argument("--rounds-batch1", type=int, default=5, help="requests in a row at concurrency 1")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="N > 1: all servers up at once, measured in N turns (default: one after another)")
     parser.add_argument("--out", default=str(RESULTS / "peers"))
     parser.add_argument("--render", type=Path, default=None, help="only write the table and chart of a saved JSON")
     args = parser.parse_args()
