@@ -21,8 +21,6 @@
 
 namespace {
 
-constexpr int64_t kMaxGroup = 64;  // query heads per KV head (models have up to 16)
-
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // Vector paths for head sizes of C * 16: each head's scores and sums take exactly the steps of
 // the portable loops below (fixed_order_dot; fma over keys in order), with a key's K or V row
@@ -121,7 +119,6 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   // for the part's query heads (not once per head) while each head keeps its own sequence of
   // operations, so results do not depend on how heads are grouped. Groups are split into parts
   // only as far as it takes to give every thread work in a one-token step.
-  TORCH_CHECK(group <= kMaxGroup, "tree_attention: at most ", kMaxGroup, " query heads per KV head");
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::min(group, std::max<int64_t>(1, (2 * threads + T * Hkv - 1) / (T * Hkv)));
   const int64_t per_part = (group + parts - 1) / parts;
