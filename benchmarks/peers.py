@@ -470,14 +470,16 @@ def main() -> None:
     else:
         SUITES["smollm2"].concurrency = [int(c) for c in args.concurrency.split(",")]
         result = {"machine": processor_name(), "flags": cpu_flags(), "threads": THREADS,
-                  "max_tokens": args.max_tokens, "suites": []}
+                  "max_tokens": args.max_tokens, "turns": args.turns, "suites": []}
         for suite in (SUITES[name] for name in args.suite.split(",")):
             result["suites"].append(run_suite(suite, args))
             Path(f"{args.out}.partial.json").write_text(json.dumps(result, indent=2))
     levels = max((s["concurrency"] for s in result["suites"]), key=len)
     args.max_tokens = result["max_tokens"]
-    caption = (f"Peers on `{result['machine']}` ({', '.join(result['flags'])}), {THREADS} threads each, one at a "
-               f"time, greedy, {args.max_tokens} tokens per request, streaming `/v1/completions` on 127.0.0.1. "
+    turns = result.get("turns", 1)
+    order = "one at a time" if turns <= 1 else f"all running, measured in {turns} turns"
+    caption = (f"Peers on `{result['machine']}` ({', '.join(result['flags'])}), {THREADS} threads each, {order}, "
+               f"greedy, {args.max_tokens} tokens per request, streaming `/v1/completions` on 127.0.0.1. "
                f"Cells: aggregate generated tok/s (TPOT p50) at {' / '.join(map(str, levels))} concurrent "
                f"client(s) (Qwen: batch 1 only); last column: batch-1 tok/s over llama.cpp's server.")
     header = ["suite", "contender", *[f"{c} streams" for c in levels], "vs llama.cpp at 1"]
