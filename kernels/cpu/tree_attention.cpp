@@ -123,22 +123,26 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t parts = std::min(group, std::max<int64_t>(1, (2 * threads + T * Hkv - 1) / (T * Hkv)));
   const int64_t per_part = (group + parts - 1) / parts;
   at::parallel_for(0, T * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots;  // the visible keys of the item's token
+    std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its items
     std::vector<float> scores;  // [heads of the part][keys + kExpPad]
+    int64_t slots_of = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / (Hkv * parts), kv_head = item / parts % Hkv, part = item % parts;
       const int64_t first = kv_head * group + part * per_part;
       const int64_t heads = std::min(per_part, (kv_head + 1) * group - first);
       if (heads <= 0) continue;
       const int64_t b = request[t], node = t - sp[b], context = cp[b];
-      auto slot_of = [&](int64_t position) {
-        return tp[b * max_blocks + position / block_size] * block_size + position % block_size;
-      };
-      slots.clear();
-      for (int64_t p = 0; p < context; ++p) slots.push_back(slot_of(p));
-      const bool* ancestors = mp + (b * max_n + node) * max_n;
-      for (int64_t j = 0; j <= node; ++j)
-        if (ancestors[j]) slots.push_back(slot_of(context + j));
+      if (t != slots_of) {
+        auto slot_of = [&](int64_t position) {
+          return tp[b * max_blocks + position / block_size] * block_size + position % block_size;
+        };
+        slots.clear();
+        for (int64_t p = 0; p < context; ++p) slots.push_back(slot_of(p));
+        const bool* ancestors = mp + (b * max_n + node) * max_n;
+        for (int64_t j = 0; j <= node; ++j)
+          if (ancestors[j]) slots.push_back(slot_of(context + j));
+        slots_of = t;
+      }
       const int64_t keys = static_cast<int64_t>(slots.size()), stride = keys + specserve::kExpPad;
       scores.resize(heads * stride);
       const float* qrows = qp + (t * Hq + first) * D;
