@@ -22,6 +22,7 @@ fails that one request, never the step.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -172,46 +173,91 @@ class SamplingRow:
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """Repetition, presence and frequency penalties on one row of logits (returns a new tensor)."""
-    p = row.params
-    logits = logits.clone()
-    if p.repetition_penalty != 1:
-        seen = torch.as_tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
-        if seen.numel():
-            values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-        counts = torch.bincount(torch.as_tensor(list(row.output_ids), dtype=torch.long), minlength=logits.numel())
-        logits -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+    return penalize(logits[None], [row])[0]
+
+
+def penalize(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """`apply_penalties` for every row of `scores` ([R, vocab]) at once, each with its own
+    parameters and history; rows without penalties are left as they are (returns a new tensor).
+    The index lists are built on the host from the histories: no read from the device."""
+    scores = scores.clone()
+    repeat: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, penalty
+    counted: tuple[list[int], list[int], list[float], list[float], list[float]] = ([], [], [], [], [])
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1:
+            seen = sorted(set(row.prompt_ids) | set(row.output_ids))
+            repeat[0].extend([i] * len(seen))
+            repeat[1].extend(seen)
+            repeat[2].extend([p.repetition_penalty] * len(seen))
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            counts = Counter(row.output_ids)
+            for column, values in zip(counted, ([i] * len(counts), list(counts), list(counts.values()),
+                                                [p.frequency_penalty] * len(counts),
+                                                [p.presence_penalty] * len(counts)), strict=True):
+                column.extend(values)
+    if repeat[0]:
+        at = _indices(scores, repeat[0], repeat[1])
+        penalty = torch.tensor(repeat[2], dtype=scores.dtype, device=scores.device)
+        values = scores[at]
+        scores[at] = torch.where(values > 0, values / penalty, values * penalty)
+    if counted[0]:
+        at = _indices(scores, counted[0], counted[1])
+        count, frequency, presence = (torch.tensor(c, dtype=scores.dtype, device=scores.device) for c in counted[2:])
+        scores[at] -= frequency * count + presence
+    return scores
+
+
+def _indices(scores: torch.Tensor, rows: list[int], columns: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(rows, dtype=torch.int64, device=scores.device),
+            torch.tensor(columns, dtype=torch.int64, device=scores.device))
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p: excluded tokens get -inf (returns a new tensor)."""
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
+    return filter_rows(logits[None], [params])[0]
+
+
+def filter_rows(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`filter_logits` for every row of `scores` ([R, vocab], none greedy) with its own parameters."""
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=scores.dtype, device=scores.device)[:, None]
+
+    scores = scores / column([p.temperature for p in params])
+    vocab = scores.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab:
+        kth = torch.topk(scores, max(top_k), dim=-1).values.gather(1, _column_index(scores, [k - 1 for k in top_k]))
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if any(p.top_p < 1 for p in params):
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-        drop = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
-        drop[0] = False  # the likeliest token always (a top_p that rounds to 0 in float32 kept none)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+        drop = before >= column([p.top_p for p in params])  # keep the smallest prefix whose mass reaches top_p
+        drop[:, 0] = False  # the likeliest token always (a top_p that rounds to 0 in float32 kept none)
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if any(p.min_p > 0 for p in params):
+        probs = scores.softmax(-1)
+        scores = scores.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True),
+                                    float("-inf"))
+    return scores
+
+
+def _column_index(scores: torch.Tensor, values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=scores.device)[:, None]
 
 
 def sampling_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """The probabilities the next token is drawn from (one-hot at the argmax when greedy)."""
     logits = apply_penalties(logits.float(), row) if row.params.needs_penalties else logits.float()
     if not math.isfinite(float(logits.max())):  # the max is NaN for any NaN, +inf for any +inf, -inf for none left
-        raise SamplingError("the model's logits are not finite (NaN or +inf): no distribution to sample from")
+        raise SamplingError(NON_FINITE)
     if row.params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).float()
     return filter_logits(logits, row.params).softmax(-1)
+
+
+NON_FINITE = "the model's logits are not finite (NaN or +inf): no distribution to sample from"
 
 
 def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:

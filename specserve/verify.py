@@ -20,13 +20,22 @@ one-hot at the argmax: the walk accepts exactly the children equal to the target
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from specserve.sampling import SamplingRow, sampling_distribution
+from specserve.sampling import (
+    NON_FINITE,
+    SamplingError,
+    SamplingRow,
+    filter_rows,
+    penalize,
+    sampling_distribution,
+)
 from specserve.tree import TokenTree
+
+Logprob = tuple[float, list[tuple[int, float]]]  # a token's log-probability, the top alternatives
 
 
 @dataclass
@@ -39,6 +48,8 @@ class Verdict:
 
     path: list[int]
     tokens: list[int]
+    logprobs: list[Logprob] | None = None  # per emitted token, when the candidate asked (`verify_batch`)
+    error: SamplingError | None = None  # non-finite logits on the path: the request fails (`verify_batch`)
 
     @property
     def num_accepted(self) -> int:
@@ -69,8 +80,8 @@ def verify(
         accepted = None
         for child in tree.children[node]:
             x = tree.tokens[child]
-            q_x = 1.0 if q is None else float(q[x])
-            if float(torch.rand((), generator=row.generator)) < accept_probability(float(p[x]), q_x):
+            q_x = torch.ones(()) if q is None else q[x]
+            if float(torch.rand((), generator=row.generator)) < float(accept_probability(p[x], q_x)):
                 accepted = child
                 break
             p = _residual(p, q, x)
@@ -83,11 +94,6 @@ def verify(
             return Verdict(path, [*tokens, bonus])
         path.append(accepted)
         tokens.append(tree.tokens[accepted])
-
-
-def accept_probability(p_x: float, q_x: float) -> float:
-    """Speculative sampling's acceptance rule (a seam the tests break on purpose)."""
-    return min(1.0, p_x / q_x) if q_x > 0 else 0.0
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
@@ -112,3 +118,230 @@ def _verify_argmax(tree: TokenTree, argmax: list[int]) -> Verdict:
         if child is None:
             return Verdict(path, tokens)
         path.append(child)
+
+
+# -- all of a step's trees at once -------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    """One request's tree in a step's batched verification: a decode or a prompt's last chunk is
+    a root-only tree. `draft_probs` as in `verify`; `logprobs`: how many top alternatives to return
+    with each emitted token's log-probability (None: none)."""
+
+    tree: TokenTree
+    row: SamplingRow
+    draft_probs: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    logprobs: int | None = None
+
+
+def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[Verdict]:
+    """`verify` for every candidate at once, as tensor ops on the logits' device (`logits`: the
+    candidates' node rows in order, [total nodes, vocab]). The same algorithm, rearranged so that
+    nothing waits on a draw: every node's acceptance probability for each child, given that its
+    earlier siblings were rejected, and its bonus distribution, given that all were, do not
+    depend on the walk; so each node draws a uniform per child and one for its bonus up front
+    (from the request's generator), every node decides, and the host follows the decisions from
+    each root. The step reads the device twice at most: the decisions (and top-logprob tokens),
+    and the log-probabilities when asked. A greedy node accepts its first child equal to its
+    (penalised) argmax and adds that argmax."""
+    sizes = [len(c.tree) for c in candidates]
+    if logits.shape[0] != sum(sizes):
+        raise ValueError(f"need one row of logits per tree node: {logits.shape[0]} rows for {sum(sizes)} nodes")
+    if not candidates:
+        return []
+    batch = _Batch.build(candidates, logits.device)
+    scores = logits.float()
+    if batch.penalized:
+        at = batch.index(batch.penalized)
+        scores = scores.index_copy(0, at, penalize(scores[at], [batch.rows[u] for u in batch.penalized]))
+    best, argmax = scores.max(-1)
+    decision = torch.full((len(batch.tokens),), -1, dtype=torch.int64, device=logits.device)
+    bonus = argmax.clone()
+    if batch.greedy_edges:
+        parent, child = (batch.index(e) for e in zip(*batch.greedy_edges, strict=True))
+        accepted = batch.tensor(batch.tokens)[child] == argmax[parent]
+        # the first accepted child of each parent: children are numbered in the order they are tried
+        first = torch.full_like(decision, len(batch.tokens))
+        first.scatter_reduce_(0, parent[accepted], child[accepted], "amin")
+        decision = torch.where(first < len(batch.tokens), first, decision)
+    if batch.sampled:
+        _sample(batch, candidates, scores, decision, bonus)
+    ints = [decision, bonus, torch.isfinite(best).to(torch.int64)]
+    floats: list[torch.Tensor] = []
+    if batch.logprob_nodes:
+        emitted = torch.where(decision >= 0, batch.tensor(batch.tokens)[decision.clamp(min=0)], bonus)
+        at = batch.index(batch.logprob_nodes)
+        logprobs = torch.log_softmax(logits[at].float(), dim=-1)
+        k = max(candidates[batch.owner[u]].logprobs or 0 for u in batch.logprob_nodes)
+        top = torch.topk(logprobs, k, dim=-1)
+        ints.append(top.indices.flatten())
+        floats = [logprobs.gather(1, emitted[at][:, None]).flatten(), top.values.flatten()]
+    decided = torch.cat(ints).tolist()  # read 1
+    read = torch.cat(floats).tolist() if floats else []  # read 2, only when logprobs were asked
+    return batch.walk(decided, read, candidates)
+
+
+def accept_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling's acceptance rule, elementwise (a seam the tests break on purpose)."""
+    return torch.where(q_x > 0, (p_x / q_x).clamp(max=1.0), torch.zeros_like(p_x))
+
+
+@dataclass
+class _Batch:
+    """A step's trees flattened: node u of candidate b is row offsets[b] + u of the logits."""
+
+    device: torch.device
+    tokens: list[int]
+    owner: list[int]  # candidate of each node
+    offsets: list[int]
+    rows: dict[int, SamplingRow]  # penalised nodes' rows: the path's tokens in their history
+    penalized: list[int]
+    greedy_edges: list[tuple[int, int]]  # (parent, child) of greedy candidates' trees
+    sampled: list[int]  # nodes of sampled candidates
+    logprob_nodes: list[int]
+    children: list[tuple[int, ...]]  # flat children of each node, in the order they are tried
+    draft_rows: dict[int, torch.Tensor]  # the draft distribution a node's children were sampled from
+
+
+    @classmethod
+    def build(cls, candidates: Sequence[Candidate], device: torch.device) -> _Batch:
+        batch = cls(device, [], [], [], {}, [], [], [], [], [], {})
+        for b, c in enumerate(candidates):
+            base = len(batch.tokens)
+            batch.offsets.append(base)
+            batch.tokens += c.tree.tokens
+            batch.owner += [b] * len(c.tree)
+            batch.children += [tuple(base + k for k in kids) for kids in c.tree.children]
+            batch.draft_rows.update((base + u, q) for u, q in c.draft_probs.items())
+            nodes = range(base, base + len(c.tree))
+            params = c.row.params
+            if params.needs_penalties:
+                for u in range(len(c.tree)):
+                    path = c.tree.path_tokens(u)[1:]  # what the walk has emitted on reaching u
+                    batch.rows[base + u] = SamplingRow(params, c.row.prompt_ids, [*c.row.output_ids, *path])
+                batch.penalized += nodes
+            if params.greedy:
+                batch.greedy_edges += [(base + p, base + u) for u, p in enumerate(c.tree.parents) if p >= 0]
+            else:
+                batch.sampled += nodes
+            if c.logprobs is not None:
+                batch.logprob_nodes += nodes
+        return batch
+
+    def tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def index(self, nodes: Sequence[int]) -> torch.Tensor:
+        return self.tensor(nodes)
+
+    def walk(self, decided: list[int], read: list[float], candidates: Sequence[Candidate]) -> list[Verdict]:
+        """Each candidate's path from its root by the nodes' decisions (on the host, from read 1)."""
+        n = len(self.tokens)
+        decision, bonus, finite = decided[:n], decided[n:2 * n], decided[2 * n:3 * n]
+        top_tokens = decided[3 * n:]
+        where = {u: i for i, u in enumerate(self.logprob_nodes)}
+        verdicts = []
+        for b, c in enumerate(candidates):
+            base, path, tokens = self.offsets[b], [0], []
+            while decision[base + path[-1]] >= 0:
+                child = decision[base + path[-1]] - base
+                tokens.append(c.tree.tokens[child])
+                path.append(child)
+            tokens.append(bonus[base + path[-1]])
+            verdict = Verdict(path, tokens)
+            if not c.row.params.plain_greedy and not all(finite[base + u] for u in path):
+                verdict.error = SamplingError(NON_FINITE)
+            if c.logprobs is not None:
+                k = max(candidates[self.owner[u]].logprobs or 0 for u in self.logprob_nodes)
+                m = len(self.logprob_nodes)
+                verdict.logprobs = []
+                for u in path:
+                    i = where[base + u]
+                    alternatives = zip(top_tokens[i * k:i * k + c.logprobs], read[m + i * k:m + i * k + c.logprobs],
+                                       strict=True)
+                    verdict.logprobs.append((read[i], list(alternatives)))
+            verdicts.append(verdict)
+        return verdicts
+
+
+def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor, decision: torch.Tensor,
+            bonus: torch.Tensor) -> None:
+    """Decisions and bonus tokens of the sampled candidates' nodes (in place): each node's
+    residual distributions child after child, exactly as `verify` forms them on its walk."""
+    sampled = batch.index(batch.sampled)
+    probs = filter_rows(scores[sampled], [candidates[batch.owner[u]].row.params for u in batch.sampled]).softmax(-1)
+    row_of = {u: i for i, u in enumerate(batch.sampled)}
+    edge_u, bonus_u = _uniforms(batch, candidates)
+    # the nodes with children, their rows of `probs` (residuals from here on) and draft rows
+    parents = [u for u in batch.sampled if batch.children[u]]
+    residual = probs[batch.index([row_of[u] for u in parents])]
+    drafted = [u for u in parents if batch.draft_rows.get(u) is not None]
+    draft = torch.stack([batch.draft_rows[u] for u in drafted]).float().to(scores.device) if drafted else None
+    draft_row = {u: i for i, u in enumerate(drafted)}
+    for rank in range(max((len(batch.children[u]) for u in parents), default=0)):
+        tried = [i for i, u in enumerate(parents) if len(batch.children[u]) > rank]
+        children = [batch.children[parents[i]][rank] for i in tried]
+        at, x = batch.index(tried), batch.tensor([batch.tokens[c] for c in children])
+        p_x = residual[at, x]
+        with_q = [j for j, i in enumerate(tried) if parents[i] in draft_row]
+        q_x = torch.ones_like(p_x)
+        if with_q:
+            q_at = batch.index([draft_row[parents[tried[j]]] for j in with_q])
+            q_x[batch.index(with_q)] = draft[q_at, x[batch.index(with_q)]]
+        chance = torch.as_tensor(accept_probability(p_x, q_x), dtype=p_x.dtype, device=p_x.device).expand_as(p_x)
+        accepted = edge_u[batch.index(children)] < chance
+        nodes = batch.index([parents[i] for i in tried])
+        undecided = decision[nodes] < 0
+        decision[nodes] = torch.where(undecided & accepted, batch.index(children), decision[nodes])
+        # the distributions after rejecting this child: for the next one, or the bonus
+        rest = residual[at].clone()
+        if with_q:
+            w = batch.index(with_q)
+            rest[w] = (rest[w] - draft[q_at]).clamp(min=0)
+            q = draft[q_at].clone()
+            q[torch.arange(len(with_q), device=q.device), x[w]] = 0
+            draft[q_at] = _normalized(q, q)
+        plain = torch.ones(len(tried), dtype=torch.bool, device=rest.device)
+        if with_q:
+            plain[batch.index(with_q)] = False
+        cleared = rest.clone()
+        cleared[torch.arange(len(tried), device=rest.device), x] = 0
+        rest = torch.where(plain[:, None], cleared, rest)
+        residual[at] = _normalized(rest, residual[at])
+    final = probs.index_copy(0, batch.index([row_of[u] for u in parents]), residual) if parents else probs
+    bonus[sampled] = _inverse_cdf(final, bonus_u[sampled])
+
+
+def _normalized(rest: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Rows of `rest` over their sums; `fallback`'s rows where a sum is 0 (as `verify` does)."""
+    total = rest.sum(-1, keepdim=True)
+    return torch.where(total > 0, rest / total.clamp(min=torch.finfo(rest.dtype).tiny), fallback)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs`, drawn with the row's uniform in [0, 1) (never a token of
+    probability 0: a rounding that lands past the end falls back to the row's likeliest)."""
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=probs.shape[-1] - 1)
+    return torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True)).flatten()
+
+
+def _uniforms(batch: _Batch, candidates: Sequence[Candidate]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A uniform per edge (indexed by its child) and one per node for its bonus, for the sampled
+    candidates: 2n - 1 draws from a request's own generator (seeded requests do not depend on
+    the batch), all unseeded requests' draws in one call."""
+    n = len(batch.tokens)
+    edge, node = torch.zeros(n), torch.zeros(n)
+    unseeded = [b for b, c in enumerate(candidates) if c.row.generator is None and not c.row.params.greedy]
+    shared = iter(torch.rand(sum(2 * len(candidates[b].tree) - 1 for b in unseeded)).split(
+        [2 * len(candidates[b].tree) - 1 for b in unseeded]))
+    for b, c in enumerate(candidates):
+        if c.row.params.greedy:
+            continue
+        size = len(c.tree)
+        draws = next(shared) if c.row.generator is None else torch.rand(2 * size - 1, generator=c.row.generator)
+        base = batch.offsets[b]
+        edge[base + 1:base + size] = draws[:size - 1]
+        node[base:base + size] = draws[size - 1:]
+    return edge.to(batch.device), node.to(batch.device)
