@@ -2,8 +2,8 @@
 
     Scheduler.schedule() -> StepPlan             who runs, prefill chunks, a tree budget each
     Drafter.propose()    -> Draft per sequence   trees rooted at each decoding sequence's last token
-    ModelRunner.forward()                        one target pass over every chain and tree
-    verify() / sample_row() -> tokens            accepted path + bonus token, or one sampled token
+    ModelRunner.forward() -> ForwardResult       one target pass over every chain and tree
+    verify_batch()       -> Verdict per sampler  every tree at once (a decode: its root alone)
     KVCache.compact(), BlockManager.commit()     accepted K/V made contiguous, full blocks hashed
 
 The asynchronous engine (`specserve.async_engine`) runs this same loop in a thread.
@@ -40,16 +40,15 @@ from specserve.config import EngineConfig
 from specserve.cost_model import decode_keys, load_or_measure
 from specserve.detokenizer import TextStream, load_tokenizer
 from specserve.kv_cache import KVCache
-from specserve.model_runner import ModelRunner, TreeRequest
-from specserve.model_runner import RequestOutput as ForwardResult
+from specserve.model_runner import ForwardResult, ModelRunner, RequestRows, TreeRequest
 from specserve.models.loader import load_model
 from specserve.outputs import RequestOutput, completion_output, request_metrics
-from specserve.sampling import SamplingParams, normalized_drafter_spec, sample_row, top_logprobs
+from specserve.sampling import SamplingParams, normalized_drafter_spec
 from specserve.scheduler import ScheduledSequence, Scheduler
 from specserve.sequence import Sequence, SpecStats, TokenLogprob
 from specserve.speculation import SpeculationPolicy
 from specserve.tree import TokenTree
-from specserve.verify import Verdict, verify
+from specserve.verify import Candidate, Logprob, Verdict, verify_batch
 
 logger = logging.getLogger("specserve")
 
@@ -244,48 +243,21 @@ class LLMEngine:
             _release(seq)
         drafts = self._propose(plan.scheduled, plan.token_seconds)
         start = time.perf_counter()
-        results = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled],
+        forward = self.runner.forward([self._tree_request(s, drafts.get(s.seq.seq_id)) for s in plan.scheduled],
                                       hidden_at=_hidden_wanted(plan.scheduled))
         if drafts:
             self.metrics.target_s += time.perf_counter() - start
-
         # From here on an error in one sequence's work fails its request alone (see `_containing`).
-        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         failed: dict[str, RequestOutput] = {}
-        plain: list[tuple[ScheduledSequence, torch.Tensor]] = []
-        speculated: list[tuple[ScheduledSequence, Draft, ForwardResult]] = []
-        for s, result in zip(plan.scheduled, results, strict=True):
-            s.seq.spec.target_forwards += 1
-            draft = drafts.get(s.seq.seq_id)
-            if draft is None:
-                if result.hidden and s.seq.drafter is not None:  # every row is committed: a chunk or a decode
-                    self._observe(s, result.hidden)
-                s.seq.num_computed += s.num_tokens
-                s.seq.num_forwarded_tokens += s.num_tokens
-                self.block_manager.commit(s.seq.block_table, s.seq.token_ids, s.seq.num_computed)
-                if s.samples:
-                    plain.append((s, result.logits[-1]))
-            else:
-                speculated.append((s, draft, result))
-        for s, draft, result, verdict in self._verify(speculated, failed):
-            if s.seq.request_id in failed:
+        verdicts = self._verify(plan.scheduled, drafts, forward, failed)
+        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        for b, s in enumerate(plan.scheduled):
+            if s.seq.request_id in failed:  # another sample of its request failed in this step
                 continue
             with self._containing(s.seq, failed):
-                if result.hidden:  # the root and the accepted nodes are committed (the seq has a drafter)
-                    path = torch.tensor(verdict.path, dtype=torch.int64)
-                    self._observe(s, {k: h[path] for k, h in result.hidden.items()})
-                delta = deltas.setdefault(s.seq.request_id, {})
-                delta[s.seq.index] = self._commit_speculated(s, draft, result.logits, verdict)
-
-        if plain:
-            argmax = torch.stack([row for _, row in plain]).argmax(-1).tolist()  # plain greedy rows, all at once
-            for (s, row), token in zip(plain, argmax, strict=True):
-                if s.seq.request_id in failed:  # another sample of its request failed in this step
-                    continue
-                with self._containing(s.seq, failed):
-                    if not s.seq.params.plain_greedy:
-                        token = sample_row(row, s.seq.sampling_row())
-                    deltas.setdefault(s.seq.request_id, {})[s.seq.index] = (self._append(s.seq, row, token), [token])
+                delta = self._commit(s, drafts.get(s.seq.seq_id), forward[b], verdicts.get(b))
+                if delta is not None:
+                    deltas.setdefault(s.seq.request_id, {})[s.seq.index] = delta
         # Sized as the scheduler sized its budgets: by decoding sequences, then tokens and nodes.
         decoding = [s.context_len + 1 for s in plan.scheduled if s.num_tokens == 1]
         self.policy.observe_step(len(decoding), sum(s.num_tokens for s in plan.scheduled),
@@ -418,44 +390,67 @@ class LLMEngine:
             return TreeRequest(draft.tree, s.context_len, table, "all")
         return TreeRequest(s.tree(), s.context_len, table, "last" if s.samples else "none")
 
-    def _verify(
-        self, speculated: list[tuple[ScheduledSequence, Draft, ForwardResult]], failed: dict[str, RequestOutput]
-    ) -> list[tuple[ScheduledSequence, Draft, ForwardResult, Verdict]]:
-        """Verify every tree, then move all accepted K/V into place in one compaction."""
+    def _verify(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft], forward: ForwardResult,
+                failed: dict[str, RequestOutput]) -> dict[int, Verdict]:
+        """Every sequence that samples this step, as a tree (a decode or a prompt's last chunk: its
+        root alone), verified at once; then all accepted K/V moved into place in one compaction.
+        Returns the verdicts by position in `scheduled`."""
         start = time.perf_counter()
+        sampling = [b for b, s in enumerate(scheduled) if s.samples]
+        candidates = [self._candidate(scheduled[b], drafts.get(scheduled[b].seq.seq_id)) for b in sampling]
+        try:
+            verdicts = dict(zip(sampling, verify_batch(candidates, forward.logits), strict=True))
+        except Exception:  # noqa: BLE001 -- find whose tree it was: each alone, failing only those that raise
+            verdicts = {}
+            for b, candidate in zip(sampling, candidates, strict=True):
+                with self._containing(scheduled[b].seq, failed):
+                    verdicts[b] = verify_batch([candidate], forward[b].logits)[0]
         src: list[int] = []
         dst: list[int] = []
-        verified = []
-        for s, draft, result in speculated:
-            if s.seq.request_id in failed:
-                continue
-            with self._containing(s.seq, failed):
-                verdict = verify(draft.tree, result.logits, s.seq.sampling_row(), draft.probs)
+        for b, verdict in verdicts.items():
+            s = scheduled[b]
+            if s.seq.seq_id in drafts and verdict.error is None:
                 moves = compaction_slots(s.seq.block_table.block_ids, s.context_len, verdict.path,
                                          self.block_manager.block_size)
                 src += moves[0]
                 dst += moves[1]
-                verified.append((s, draft, result, verdict))
         self.kv_cache.compact(src, dst)
         self.metrics.verify_s += time.perf_counter() - start
-        return verified
+        return verdicts
 
-    def _commit_speculated(
-        self, s: ScheduledSequence, draft: Draft, logits: torch.Tensor, verdict: Verdict
-    ) -> tuple[str, list[int]]:
-        """Emit the accepted tokens and the bonus token (a stop or max_tokens may cut them short)."""
+    @staticmethod
+    def _candidate(s: ScheduledSequence, draft: Draft | None) -> Candidate:
+        tree = draft.tree if draft is not None else TokenTree.single(s.seq.token_ids[-1])
+        return Candidate(tree, s.seq.sampling_row(), draft.probs if draft is not None else {}, s.seq.params.logprobs)
+
+    def _commit(self, s: ScheduledSequence, draft: Draft | None, rows: RequestRows,
+                verdict: Verdict | None) -> tuple[str, list[int]] | None:
+        """A sequence's share of the step made final: its chunk (or root) and accepted nodes are
+        computed, the tokens it emits appended (a stop or max_tokens may cut them short), its
+        full blocks hashed and its rejected nodes' blocks returned. None: it emits nothing."""
         seq = s.seq
-        seq.num_computed += len(verdict.path)  # the root and the accepted nodes, now contiguous
-        seq.num_forwarded_tokens += len(draft.tree)
-        rejected = bool(draft.tree.children[verdict.path[-1]])  # else the accepted path ran to a leaf
-        seq.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
-        self.metrics.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
-        for observe in self.tree_observers:
-            observe(seq.request_id, draft.tree, verdict.path)
-        self.policy.observe_verify(seq.drafter, verdict.num_accepted, rejected)
+        seq.spec.target_forwards += 1
+        if verdict is not None and verdict.error is not None:
+            raise verdict.error
+        path = verdict.path if verdict is not None else [0]
+        if rows.hidden and seq.drafter is not None:  # the drafter reads the committed rows' states
+            keep = torch.tensor([*range(s.num_tokens - 1), *(s.num_tokens - 1 + node for node in path)])
+            self._observe(s, {k: h[keep] for k, h in rows.hidden.items()})
+        seq.num_computed += s.num_tokens - 1 + len(path)  # the accepted nodes' K/V are now contiguous
+        seq.num_forwarded_tokens += s.num_tokens - 1 + (len(draft.tree) if draft is not None else 1)
+        self.block_manager.commit(seq.block_table, seq.token_ids, min(seq.num_computed, len(seq.token_ids)))
+        if draft is not None:
+            rejected = bool(draft.tree.children[path[-1]])  # else the accepted path ran to a leaf
+            seq.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
+            self.metrics.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
+            for observe in self.tree_observers:
+                observe(seq.request_id, draft.tree, path)
+            self.policy.observe_verify(seq.drafter, verdict.num_accepted, rejected)
+        if verdict is None:
+            return None
         text, emitted = "", []
-        for node, token in zip(verdict.path, verdict.tokens, strict=True):
-            text += self._append(seq, logits[node], token)
+        for index, token in enumerate(verdict.tokens):
+            text += self._append(seq, token, verdict.logprobs[index] if verdict.logprobs is not None else None)
             emitted.append(token)
             if seq.is_finished:
                 return text, emitted
@@ -465,11 +460,11 @@ class LLMEngine:
 
     # -- outputs ----------------------------------------------------------------------------------
 
-    def _append(self, seq: Sequence, logits: torch.Tensor, token: int) -> str:
-        if seq.logprobs is not None:
-            logprob, top = top_logprobs(logits, token, seq.params.logprobs or 0)
-            seq.logprobs.append(TokenLogprob(token, logprob, dict(top)))
-            seq.cumulative_logprob += logprob
+    def _append(self, seq: Sequence, token: int, logprob: Logprob | None) -> str:
+        if seq.logprobs is not None and logprob is not None:
+            value, top = logprob
+            seq.logprobs.append(TokenLogprob(token, value, dict(top)))
+            seq.cumulative_logprob += value
         delta = seq.append(token)
         if seq.finish_reason is not None:
             self._finish(seq)

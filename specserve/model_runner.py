@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,9 +29,36 @@ class TreeRequest:
 
 
 @dataclass
-class RequestOutput:
+class RequestRows:
+    """One request's share of a forward."""
+
     logits: torch.Tensor  # [nodes asked for, vocab] fp32
     hidden: dict[int, torch.Tensor]  # layer boundary -> [tree nodes, hidden], as asked (`ForwardOutput.hidden`)
+
+
+@dataclass
+class ForwardResult:
+    """A step's forward, flat: every request's logit rows in request order (what batched
+    verification takes as it is), and where each request's rows and tokens start."""
+
+    logits: torch.Tensor  # [rows asked for, vocab] fp32
+    hidden: dict[int, torch.Tensor]  # layer boundary -> [step tokens, hidden]
+    logit_starts: list[int]  # request b's rows: logit_starts[b] .. logit_starts[b + 1]
+    token_starts: list[int]  # request b's tokens: token_starts[b] .. token_starts[b + 1]
+
+    def __len__(self) -> int:
+        return len(self.token_starts) - 1
+
+    def __getitem__(self, b: int) -> RequestRows:
+        """Request b's rows (views)."""
+        if not 0 <= b < len(self):
+            raise IndexError(f"request {b} of {len(self)}")
+        tokens = slice(self.token_starts[b], self.token_starts[b + 1])
+        return RequestRows(self.logits[self.logit_starts[b]:self.logit_starts[b + 1]],
+                           {k: h[tokens] for k, h in self.hidden.items()})
+
+    def __iter__(self) -> Iterator[RequestRows]:
+        return (self[b] for b in range(len(self)))
 
 
 class ModelRunner:
@@ -45,7 +73,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self, requests: Sequence[TreeRequest], hidden_at: Sequence[int] = (), num_layers: int | None = None
-    ) -> list[RequestOutput]:
+    ) -> ForwardResult:
         meta = AttentionMetadata.build(
             [r.tree for r in requests],
             [r.context_len for r in requests],
@@ -53,25 +81,17 @@ class ModelRunner:
             self.block_size,
         )
         input_ids = torch.tensor([t for r in requests for t in r.tree.tokens], dtype=torch.int64)
-        selected, counts = _logits_rows(requests, meta)
+        starts = [0, *itertools.accumulate(len(r.tree) for r in requests)]  # from the host: no read
+        selected, counts = _logits_rows(requests, starts)
         out = self.model(input_ids, meta, self.kv_cache, logits_indices=selected, hidden_at=hidden_at,
                          num_layers=num_layers)
-        logits = out.logits.split(counts)
-        starts = meta.query_start_loc.tolist()
-        return [
-            RequestOutput(
-                logits=logits[b],
-                hidden={k: h[starts[b] : starts[b + 1]] for k, h in out.hidden.items()},
-            )
-            for b in range(len(requests))
-        ]
+        return ForwardResult(out.logits, out.hidden, [0, *itertools.accumulate(counts)], starts)
 
 
-def _logits_rows(requests: Sequence[TreeRequest], meta: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+def _logits_rows(requests: Sequence[TreeRequest], starts: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Flat token indices whose logits are wanted, and how many belong to each request."""
     rows: list[int] = []
     counts: list[int] = []
-    starts = meta.query_start_loc.tolist()
     for b, r in enumerate(requests):
         start, end = starts[b], starts[b + 1]
         if isinstance(r.logits, str):

@@ -260,13 +260,6 @@ def sampling_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tenso
 NON_FINITE = "the model's logits are not finite (NaN or +inf): no distribution to sample from"
 
 
-def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
-    """The next token of one row (`logits`: [vocab]). Raises SamplingError for non-finite logits."""
-    probs = sampling_distribution(logits, row)
-    drawn = probs.argmax() if row.params.greedy else torch.multinomial(probs, 1, generator=row.generator)
-    return int(drawn)
-
-
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
     """The chosen token's log-probability and the k most likely alternatives, under the model's
     own distribution (before penalties, temperature and filters)."""

@@ -155,30 +155,39 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
     if batch.penalized:
         at = batch.index(batch.penalized)
         scores = scores.index_copy(0, at, penalize(scores[at], [batch.rows[u] for u in batch.penalized]))
-    best, argmax = scores.max(-1)
-    decision = torch.full((len(batch.tokens),), -1, dtype=torch.int64, device=logits.device)
-    bonus = argmax.clone()
+    checked = any(not c.row.params.plain_greedy for c in candidates)  # those fail on non-finite logits
+    best, argmax = scores.max(-1) if checked else (None, scores.argmax(-1))
+    n = len(batch.tokens)
+    parts = {"bonus": argmax}  # what read 1 brings back, each n long but "top" (k per logprob node)
+    if n > len(candidates):  # some tree has children
+        parts["decision"] = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
     if batch.greedy_edges:
         parent, child = (batch.index(e) for e in zip(*batch.greedy_edges, strict=True))
         accepted = batch.tensor(batch.tokens)[child] == argmax[parent]
         # the first accepted child of each parent: children are numbered in the order they are tried
-        first = torch.full_like(decision, len(batch.tokens))
+        first = torch.full((n,), n, dtype=torch.int64, device=logits.device)
         first.scatter_reduce_(0, parent[accepted], child[accepted], "amin")
-        decision = torch.where(first < len(batch.tokens), first, decision)
+        parts["decision"] = torch.where(first < n, first, parts["decision"])
     if batch.sampled:
-        _sample(batch, candidates, scores, decision, bonus)
-    ints = [decision, bonus, torch.isfinite(best).to(torch.int64)]
+        parts["bonus"] = argmax.clone()
+        _sample(batch, candidates, scores, parts.get("decision"), parts["bonus"])
+    if checked:
+        parts["finite"] = torch.isfinite(best).to(torch.int64)
     floats: list[torch.Tensor] = []
     if batch.logprob_nodes:
-        emitted = torch.where(decision >= 0, batch.tensor(batch.tokens)[decision.clamp(min=0)], bonus)
+        emitted = parts["bonus"]
+        if "decision" in parts:
+            decision = parts["decision"]
+            emitted = torch.where(decision >= 0, batch.tensor(batch.tokens)[decision.clamp(min=0)], emitted)
         at = batch.index(batch.logprob_nodes)
         logprobs = torch.log_softmax(logits[at].float(), dim=-1)
-        k = max(candidates[batch.owner[u]].logprobs or 0 for u in batch.logprob_nodes)
-        top = torch.topk(logprobs, k, dim=-1)
-        ints.append(top.indices.flatten())
+        top = torch.topk(logprobs, batch.top_k, dim=-1)
+        parts["top"] = top.indices.flatten()
         floats = [logprobs.gather(1, emitted[at][:, None]).flatten(), top.values.flatten()]
-    decided = torch.cat(ints).tolist()  # read 1
+    values = torch.cat(list(parts.values())).tolist()  # read 1
     read = torch.cat(floats).tolist() if floats else []  # read 2, only when logprobs were asked
+    decided = {name: values[i * n:(i + 1) * n] for i, name in enumerate(parts) if name != "top"}
+    decided["top"] = values[(len(parts) - 1) * n:] if "top" in parts else []
     return batch.walk(decided, read, candidates)
 
 
@@ -202,11 +211,12 @@ class _Batch:
     logprob_nodes: list[int]
     children: list[tuple[int, ...]]  # flat children of each node, in the order they are tried
     draft_rows: dict[int, torch.Tensor]  # the draft distribution a node's children were sampled from
+    logprobs_wanted: list[int]  # per candidate (0: none)
 
 
     @classmethod
     def build(cls, candidates: Sequence[Candidate], device: torch.device) -> _Batch:
-        batch = cls(device, [], [], [], {}, [], [], [], [], [], {})
+        batch = cls(device, [], [], [], {}, [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
         for b, c in enumerate(candidates):
             base = len(batch.tokens)
             batch.offsets.append(base)
@@ -235,26 +245,29 @@ class _Batch:
     def index(self, nodes: Sequence[int]) -> torch.Tensor:
         return self.tensor(nodes)
 
-    def walk(self, decided: list[int], read: list[float], candidates: Sequence[Candidate]) -> list[Verdict]:
+    @property
+    def top_k(self) -> int:
+        """Alternatives per logprob node: the most any candidate asked for."""
+        return max(self.logprobs_wanted[self.owner[u]] for u in self.logprob_nodes)
+
+    def walk(self, decided: dict[str, list[int]], read: list[float],
+             candidates: Sequence[Candidate]) -> list[Verdict]:
         """Each candidate's path from its root by the nodes' decisions (on the host, from read 1)."""
-        n = len(self.tokens)
-        decision, bonus, finite = decided[:n], decided[n:2 * n], decided[2 * n:3 * n]
-        top_tokens = decided[3 * n:]
+        decision, bonus, finite, top_tokens = (decided.get(name) for name in ("decision", "bonus", "finite", "top"))
         where = {u: i for i, u in enumerate(self.logprob_nodes)}
+        k, m = (self.top_k, len(self.logprob_nodes)) if self.logprob_nodes else (0, 0)
         verdicts = []
         for b, c in enumerate(candidates):
             base, path, tokens = self.offsets[b], [0], []
-            while decision[base + path[-1]] >= 0:
+            while decision is not None and decision[base + path[-1]] >= 0:
                 child = decision[base + path[-1]] - base
                 tokens.append(c.tree.tokens[child])
                 path.append(child)
             tokens.append(bonus[base + path[-1]])
             verdict = Verdict(path, tokens)
-            if not c.row.params.plain_greedy and not all(finite[base + u] for u in path):
+            if finite is not None and not c.row.params.plain_greedy and not all(finite[base + u] for u in path):
                 verdict.error = SamplingError(NON_FINITE)
             if c.logprobs is not None:
-                k = max(candidates[self.owner[u]].logprobs or 0 for u in self.logprob_nodes)
-                m = len(self.logprob_nodes)
                 verdict.logprobs = []
                 for u in path:
                     i = where[base + u]
@@ -265,52 +278,82 @@ class _Batch:
         return verdicts
 
 
-def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor, decision: torch.Tensor,
+def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor, decision: torch.Tensor | None,
             bonus: torch.Tensor) -> None:
-    """Decisions and bonus tokens of the sampled candidates' nodes (in place): each node's
-    residual distributions child after child, exactly as `verify` forms them on its walk."""
+    """Decisions and bonus tokens of the sampled candidates' nodes (in place). A node's chance of
+    accepting each child, its earlier siblings rejected, and its bonus distribution, all of them
+    rejected: in closed form where its children are deterministic proposals, child after child
+    where they were sampled from a draft distribution (exactly as `verify` forms them)."""
     sampled = batch.index(batch.sampled)
     probs = filter_rows(scores[sampled], [candidates[batch.owner[u]].row.params for u in batch.sampled]).softmax(-1)
     row_of = {u: i for i, u in enumerate(batch.sampled)}
     edge_u, bonus_u = _uniforms(batch, candidates)
-    # the nodes with children, their rows of `probs` (residuals from here on) and draft rows
     parents = [u for u in batch.sampled if batch.children[u]]
-    residual = probs[batch.index([row_of[u] for u in parents])]
-    drafted = [u for u in parents if batch.draft_rows.get(u) is not None]
-    draft = torch.stack([batch.draft_rows[u] for u in drafted]).float().to(scores.device) if drafted else None
-    draft_row = {u: i for i, u in enumerate(drafted)}
-    for rank in range(max((len(batch.children[u]) for u in parents), default=0)):
+    chance = torch.zeros(len(batch.tokens), dtype=probs.dtype, device=probs.device)  # by child node
+    final = probs
+    point = [u for u in parents if u not in batch.draft_rows]
+    if point:
+        at = batch.index([row_of[u] for u in point])
+        child_chance, rest = _point_mass(batch, point, probs[at])
+        chance[batch.index([c for u in point for c in batch.children[u]])] = child_chance
+        final = final.index_copy(0, at, rest)
+    drafted = [u for u in parents if u in batch.draft_rows]
+    if drafted:
+        at = batch.index([row_of[u] for u in drafted])
+        rest = _drafted(batch, drafted, probs[at], chance)
+        final = final.index_copy(0, at, rest)
+    if parents:
+        parent = batch.index([u for u in parents for _ in batch.children[u]])
+        child = batch.index([c for u in parents for c in batch.children[u]])
+        accepted = edge_u[child] < chance[child]
+        n = len(batch.tokens)
+        first = torch.full((n,), n, dtype=torch.int64, device=probs.device)
+        first.scatter_reduce_(0, parent[accepted], child[accepted], "amin")
+        decision[:] = torch.where(first < n, first, decision)
+    bonus[sampled] = _inverse_cdf(final, bonus_u[sampled])
+
+
+def _point_mass(batch: _Batch, parents: list[int], p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Children proposed deterministically: rejecting x leaves p without x, renormalised, so child
+    j is accepted with p(x_j) / (1 - the mass of the distinct tokens rejected before it) (0 for
+    a token already rejected), and the bonus is drawn from p without any child's token. Returns
+    the children's chances (parents' children in order) and the bonus distributions."""
+    widths = [len(batch.children[u]) for u in parents]
+    tokens = [[batch.tokens[c] for c in batch.children[u]] for u in parents]
+    repeat = [[t in kids[:j] for j, t in enumerate(kids)] for kids in tokens]
+    grid = torch.tensor([kids + [kids[0]] * (max(widths) - len(kids)) for kids in tokens], dtype=torch.int64,
+                        device=p.device)
+    live = torch.tensor([[j < len(kids) and not repeat[i][j] for j in range(max(widths))]
+                         for i, kids in enumerate(tokens)], device=p.device)
+    p_x = p.gather(1, grid) * live
+    denominator = 1 - (p_x.cumsum(1) - p_x)  # the mass left after the earlier distinct rejections
+    residual_x = torch.where(live & (denominator > 0), p_x / denominator.clamp(min=torch.finfo(p.dtype).tiny),
+                             torch.zeros_like(p_x))
+    chance = torch.as_tensor(accept_probability(residual_x, torch.ones_like(residual_x)), dtype=p.dtype,
+                             device=p.device).expand_as(residual_x)
+    in_tree = torch.tensor([[j < w for j in range(max(widths))] for w in widths], device=p.device)
+    rest = p.scatter(1, grid, 0.0)
+    return chance[in_tree], _normalized(rest, p)
+
+
+def _drafted(batch: _Batch, parents: list[int], p: torch.Tensor, chance: torch.Tensor) -> torch.Tensor:
+    """Children sampled from a draft distribution q without replacement: child after child, the
+    chance min(1, p(x) / q(x)), then p <- norm(max(p - q, 0)) and q loses x. Writes the children's
+    chances into `chance` (by child node); returns the bonus distributions."""
+    q = torch.stack([batch.draft_rows[u] for u in parents]).float().to(p.device)
+    p = p.clone()
+    for rank in range(max(len(batch.children[u]) for u in parents)):
         tried = [i for i, u in enumerate(parents) if len(batch.children[u]) > rank]
         children = [batch.children[parents[i]][rank] for i in tried]
         at, x = batch.index(tried), batch.tensor([batch.tokens[c] for c in children])
-        p_x = residual[at, x]
-        with_q = [j for j, i in enumerate(tried) if parents[i] in draft_row]
-        q_x = torch.ones_like(p_x)
-        if with_q:
-            q_at = batch.index([draft_row[parents[tried[j]]] for j in with_q])
-            q_x[batch.index(with_q)] = draft[q_at, x[batch.index(with_q)]]
-        chance = torch.as_tensor(accept_probability(p_x, q_x), dtype=p_x.dtype, device=p_x.device).expand_as(p_x)
-        accepted = edge_u[batch.index(children)] < chance
-        nodes = batch.index([parents[i] for i in tried])
-        undecided = decision[nodes] < 0
-        decision[nodes] = torch.where(undecided & accepted, batch.index(children), decision[nodes])
-        # the distributions after rejecting this child: for the next one, or the bonus
-        rest = residual[at].clone()
-        if with_q:
-            w = batch.index(with_q)
-            rest[w] = (rest[w] - draft[q_at]).clamp(min=0)
-            q = draft[q_at].clone()
-            q[torch.arange(len(with_q), device=q.device), x[w]] = 0
-            draft[q_at] = _normalized(q, q)
-        plain = torch.ones(len(tried), dtype=torch.bool, device=rest.device)
-        if with_q:
-            plain[batch.index(with_q)] = False
-        cleared = rest.clone()
-        cleared[torch.arange(len(tried), device=rest.device), x] = 0
-        rest = torch.where(plain[:, None], cleared, rest)
-        residual[at] = _normalized(rest, residual[at])
-    final = probs.index_copy(0, batch.index([row_of[u] for u in parents]), residual) if parents else probs
-    bonus[sampled] = _inverse_cdf(final, bonus_u[sampled])
+        p_x, q_x = p[at, x], q[at, x]
+        chance[batch.index(children)] = torch.as_tensor(accept_probability(p_x, q_x), dtype=p.dtype,
+                                                        device=p.device).expand_as(p_x)
+        p[at] = _normalized((p[at] - q[at]).clamp(min=0), p[at])
+        q_rows = q[at].clone()
+        q_rows[torch.arange(len(tried), device=q.device), x] = 0
+        q[at] = _normalized(q_rows, q_rows)
+    return p
 
 
 def _normalized(rest: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -65,19 +65,20 @@ def tiny_chat_model(smollm2_path, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def failing_sampling(monkeypatch):
-    """`failing_sampling(seed, message)`: from then on the engine's sampling raises `message` for
-    every row of a request seeded with `seed` (a fault only that request should feel)."""
+    """`failing_sampling(seed, message)`: from then on the engine's verification (its sampling)
+    raises `message` for any batch holding a request seeded with `seed` (a fault only that
+    request should feel)."""
     import specserve.engine as engine_module
 
-    real = engine_module.sample_row
+    real = engine_module.verify_batch
 
     def install(seed: int, message: str) -> None:
-        def sample_row(logits, row):
-            if row.params.seed == seed:
+        def verify_batch(candidates, logits):
+            if any(c.row.params.seed == seed for c in candidates):
                 raise RuntimeError(message)
-            return real(logits, row)
+            return real(candidates, logits)
 
-        monkeypatch.setattr(engine_module, "sample_row", sample_row)
+        monkeypatch.setattr(engine_module, "verify_batch", verify_batch)
 
     return install
 

@@ -18,7 +18,6 @@ from specserve.sampling import (
     SamplingRow,
     apply_penalties,
     filter_logits,
-    sample_row,
     sampling_distribution,
     top_logprobs,
 )
@@ -80,6 +79,14 @@ def test_penalties_match_their_definitions():
     for t, count in {3: 2, 1: 1}.items():  # presence and frequency: output tokens only
         expected[t] -= 0.25 * count + 0.5
     torch.testing.assert_close(apply_penalties(logits, row), expected)
+
+
+def sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    """One row sampled as the engine samples a decode: a root-only tree through verification."""
+    from specserve.tree import TokenTree
+    from specserve.verify import Candidate, verify_batch
+
+    return verify_batch([Candidate(TokenTree.single(0), row)], logits[None])[0].tokens[0]
 
 
 def test_greedy_takes_the_penalised_argmax():
