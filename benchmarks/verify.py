@@ -3,7 +3,8 @@ verification (`specserve.verify.verify_batch`), in one run.
 
 For 1, 16 and 64 sequences, each with a tree of 1, 8 or 32 nodes (random shapes; along one
 root-to-leaf path each node's logits favour its child's token, so drafts are often accepted),
-over SmolLM2's vocabulary (49,152), greedy and sampled (temperature 0.8, top-p 0.95): the time
+over SmolLM2's vocabulary (49,152), greedy, sampled (temperature 0.8) and sampled with top-p 0.95:
+the time
 to turn the step's logits into each sequence's accepted path and emitted tokens. "Before" is the
 engine's code at `--before` (checked out into a git worktree and run in a process of its own:
 one `verify` per tree, a decode's row through argmax or `sample_row`); "after" is this tree's.
@@ -31,7 +32,7 @@ RESULTS = Path(__file__).parent / "results"
 VOCAB = 49152
 SEQUENCES = (1, 16, 64)
 NODES = (1, 8, 32)
-MODES = ("greedy", "sampled")
+MODES = ("greedy", "sampled", "top-p")
 
 
 def step_inputs(sequences: int, nodes: int, seed: int):
@@ -59,7 +60,8 @@ def step_inputs(sequences: int, nodes: int, seed: int):
 def params_of(mode: str):
     from specserve.sampling import SamplingParams
 
-    return SamplingParams(temperature=0) if mode == "greedy" else SamplingParams(temperature=0.8, top_p=0.95)
+    return {"greedy": SamplingParams(temperature=0), "sampled": SamplingParams(temperature=0.8),
+            "top-p": SamplingParams(temperature=0.8, top_p=0.95)}[mode]
 
 
 def before_step(trees, logits, rows) -> list[list[int]]:

@@ -280,80 +280,112 @@ class _Batch:
 
 def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor, decision: torch.Tensor | None,
             bonus: torch.Tensor) -> None:
-    """Decisions and bonus tokens of the sampled candidates' nodes (in place). A node's chance of
-    accepting each child, its earlier siblings rejected, and its bonus distribution, all of them
-    rejected: in closed form where its children are deterministic proposals, child after child
-    where they were sampled from a draft distribution (exactly as `verify` forms them)."""
-    sampled = batch.index(batch.sampled)
-    probs = filter_rows(scores[sampled], [candidates[batch.owner[u]].row.params for u in batch.sampled]).softmax(-1)
-    row_of = {u: i for i, u in enumerate(batch.sampled)}
+    """The sampled candidates' walks, level by level and all at once (in place: `decision` of the
+    nodes they pass, `bonus` of the node each stops at). A level forms the distribution of each
+    walk's current node only, its chance of accepting each child (the earlier ones rejected),
+    and, for walks that stop there, what remains of it for the bonus token: as `verify` does."""
+    walks = [b for b, c in enumerate(candidates) if not c.row.params.greedy]
+    depth = [max(candidates[b].tree.depths) for b in walks]
+    width = max(len(kids) for b in walks for kids in candidates[b].tree.children) or 1
+    table = _ChildTable.build(batch, [u for b in walks for u in range(batch.offsets[b],
+                                                                        batch.offsets[b] + len(candidates[b].tree))],
+                              width, scores.device)
     edge_u, bonus_u = _uniforms(batch, candidates)
-    parents = [u for u in batch.sampled if batch.children[u]]
-    chance = torch.zeros(len(batch.tokens), dtype=probs.dtype, device=probs.device)  # by child node
-    final = probs
-    point = [u for u in parents if u not in batch.draft_rows]
-    if point:
-        at = batch.index([row_of[u] for u in point])
-        child_chance, rest = _point_mass(batch, point, probs[at])
-        chance[batch.index([c for u in point for c in batch.children[u]])] = child_chance
-        final = final.index_copy(0, at, rest)
-    drafted = [u for u in parents if u in batch.draft_rows]
-    if drafted:
-        at = batch.index([row_of[u] for u in drafted])
-        rest = _drafted(batch, drafted, probs[at], chance)
-        final = final.index_copy(0, at, rest)
-    if parents:
-        parent = batch.index([u for u in parents for _ in batch.children[u]])
-        child = batch.index([c for u in parents for c in batch.children[u]])
-        accepted = edge_u[child] < chance[child]
+    current = batch.index([batch.offsets[b] for b in walks])
+    done = torch.zeros(len(walks), dtype=torch.bool, device=scores.device)
+    final = torch.zeros(len(walks), scores.shape[-1], dtype=torch.float32, device=scores.device)
+    stopped_at = current.clone()
+    for level in range(max(depth) + 1):
+        alive = [i for i, d in enumerate(depth) if d >= level]  # a shallower tree's walk has surely stopped
+        at = batch.index(alive)
+        nodes, walking = current[at], ~done[at]
+        p = filter_rows(scores[nodes], [candidates[walks[i]].row.params for i in alive]).softmax(-1)
+        kids = table.children[nodes]
+        if any(candidates[walks[i]].draft_probs for i in alive):
+            chance, rest = _drafted_chances(table, nodes, kids, p)
+        else:
+            chance, rest = _point_mass_chances(table, nodes, p)
+        accepted = (edge_u[kids.clamp(min=0)] < chance) & (kids >= 0)
+        found = accepted.any(1) & walking
+        nxt = kids.gather(1, accepted.to(torch.uint8).argmax(1, keepdim=True)).flatten()  # the first accepted
+        stop = walking & ~found
+        final[at] = torch.where(stop[:, None], rest, final[at])
+        stopped_at[at] = torch.where(stop, nodes, stopped_at[at])
+        if decision is not None:
+            decision[nodes] = torch.where(found, nxt, decision[nodes])
+        current[at] = torch.where(found, nxt, nodes)
+        done[at] = done[at] | stop
+    bonus[stopped_at] = _inverse_cdf(final, bonus_u[stopped_at])
+
+
+@dataclass
+class _ChildTable:
+    """Per node of the sampled trees (rows indexed by flat node): its children in the order they
+    are tried (-1: none), their tokens, whether each is a token not already tried before it,
+    and its draft distribution's row in `draft` (-1: deterministic children)."""
+
+    children: torch.Tensor  # [nodes, width] int64
+    tokens: torch.Tensor  # [nodes, width] int64
+    fresh: torch.Tensor  # [nodes, width] bool
+    draft_row: torch.Tensor  # [nodes] int64
+    draft: torch.Tensor | None  # [drafted nodes, vocab]
+
+    @classmethod
+    def build(cls, batch: _Batch, nodes: list[int], width: int, device: torch.device) -> _ChildTable:
         n = len(batch.tokens)
-        first = torch.full((n,), n, dtype=torch.int64, device=probs.device)
-        first.scatter_reduce_(0, parent[accepted], child[accepted], "amin")
-        decision[:] = torch.where(first < n, first, decision)
-    bonus[sampled] = _inverse_cdf(final, bonus_u[sampled])
+        children, tokens = [[-1] * width for _ in range(n)], [[0] * width for _ in range(n)]
+        fresh = [[False] * width for _ in range(n)]
+        draft_row, drafts = [-1] * n, []
+        for u in nodes:
+            for j, c in enumerate(batch.children[u]):
+                children[u][j], tokens[u][j] = c, batch.tokens[c]
+                fresh[u][j] = batch.tokens[c] not in tokens[u][:j] or j == 0
+            if u in batch.draft_rows:
+                draft_row[u] = len(drafts)
+                drafts.append(batch.draft_rows[u])
+        draft = torch.stack(drafts).float().to(device) if drafts else None
+        return cls(*(torch.tensor(t, device=device) for t in (children, tokens, fresh, draft_row)), draft)
 
 
-def _point_mass(batch: _Batch, parents: list[int], p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _point_mass_chances(table: _ChildTable, nodes: torch.Tensor, p: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Children proposed deterministically: rejecting x leaves p without x, renormalised, so child
-    j is accepted with p(x_j) / (1 - the mass of the distinct tokens rejected before it) (0 for
-    a token already rejected), and the bonus is drawn from p without any child's token. Returns
-    the children's chances (parents' children in order) and the bonus distributions."""
-    widths = [len(batch.children[u]) for u in parents]
-    tokens = [[batch.tokens[c] for c in batch.children[u]] for u in parents]
-    repeat = [[t in kids[:j] for j, t in enumerate(kids)] for kids in tokens]
-    grid = torch.tensor([kids + [kids[0]] * (max(widths) - len(kids)) for kids in tokens], dtype=torch.int64,
-                        device=p.device)
-    live = torch.tensor([[j < len(kids) and not repeat[i][j] for j in range(max(widths))]
-                         for i, kids in enumerate(tokens)], device=p.device)
-    p_x = p.gather(1, grid) * live
-    denominator = 1 - (p_x.cumsum(1) - p_x)  # the mass left after the earlier distinct rejections
-    residual_x = torch.where(live & (denominator > 0), p_x / denominator.clamp(min=torch.finfo(p.dtype).tiny),
-                             torch.zeros_like(p_x))
+    j is accepted with p(x_j) / (1 - the mass of the tokens rejected before it) (0 for a token
+    already rejected), and the bonus is drawn from p without any child's token."""
+    tokens, fresh = table.tokens[nodes], table.fresh[nodes] & (table.children[nodes] >= 0)
+    p_x = p.gather(1, tokens) * fresh
+    left = 1 - (p_x.cumsum(1) - p_x)  # the mass left after the earlier rejections
+    residual_x = torch.where(fresh & (left > 0), p_x / left.clamp(min=torch.finfo(p.dtype).tiny), 0.0)
     chance = torch.as_tensor(accept_probability(residual_x, torch.ones_like(residual_x)), dtype=p.dtype,
                              device=p.device).expand_as(residual_x)
-    in_tree = torch.tensor([[j < w for j in range(max(widths))] for w in widths], device=p.device)
-    rest = p.scatter(1, grid, 0.0)
-    return chance[in_tree], _normalized(rest, p)
+    tried = torch.zeros_like(p).scatter_add_(1, tokens, (table.children[nodes] >= 0).to(p.dtype))  # pads: 0
+    return chance, _normalized(p.masked_fill(tried > 0, 0.0), p)
 
 
-def _drafted(batch: _Batch, parents: list[int], p: torch.Tensor, chance: torch.Tensor) -> torch.Tensor:
-    """Children sampled from a draft distribution q without replacement: child after child, the
-    chance min(1, p(x) / q(x)), then p <- norm(max(p - q, 0)) and q loses x. Writes the children's
-    chances into `chance` (by child node); returns the bonus distributions."""
-    q = torch.stack([batch.draft_rows[u] for u in parents]).float().to(p.device)
-    p = p.clone()
-    for rank in range(max(len(batch.children[u]) for u in parents)):
-        tried = [i for i, u in enumerate(parents) if len(batch.children[u]) > rank]
-        children = [batch.children[parents[i]][rank] for i in tried]
-        at, x = batch.index(tried), batch.tensor([batch.tokens[c] for c in children])
-        p_x, q_x = p[at, x], q[at, x]
-        chance[batch.index(children)] = torch.as_tensor(accept_probability(p_x, q_x), dtype=p.dtype,
-                                                        device=p.device).expand_as(p_x)
-        p[at] = _normalized((p[at] - q[at]).clamp(min=0), p[at])
-        q_rows = q[at].clone()
-        q_rows[torch.arange(len(tried), device=q.device), x] = 0
-        q[at] = _normalized(q_rows, q_rows)
-    return p
+def _drafted_chances(table: _ChildTable, nodes: torch.Tensor, kids: torch.Tensor, p: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Child after child; where the children were sampled from a draft q without replacement,
+    the chance min(1, p(x) / q(x)), then p <- norm(max(p - q, 0)) and q loses x; elsewhere as
+    `_point_mass_chances` (a point mass q at x)."""
+    rows = table.draft_row[nodes]
+    has_q = rows >= 0
+    q = table.draft[rows.clamp(min=0)] if table.draft is not None else torch.zeros_like(p)
+    every = torch.arange(len(nodes), device=p.device)
+    chances = []
+    for j in range(kids.shape[1]):
+        x = table.tokens[nodes, j]
+        live = (kids[:, j] >= 0) & table.fresh[nodes, j]
+        p_x, q_x = p[every, x], torch.where(has_q, q[every, x], torch.ones_like(p[every, x]))
+        chance = torch.as_tensor(accept_probability(p_x, q_x), dtype=p.dtype, device=p.device).expand_as(p_x)
+        chances.append(torch.where(live, chance, 0.0))
+        without_x = p.clone()
+        without_x[every, x] = 0
+        residual = torch.where(has_q[:, None], (p - q).clamp(min=0), without_x)
+        p = torch.where(live[:, None], _normalized(residual, p), p)
+        q_rows = q.clone()
+        q_rows[every, x] = 0
+        q = torch.where((live & has_q)[:, None], _normalized(q_rows, q_rows), q)
+    return torch.stack(chances, 1), p
 
 
 def _normalized(rest: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
