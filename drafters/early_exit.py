@@ -3,7 +3,7 @@
 No extra weights and no extra cache: the draft forwards write the target's own K/V for
 layers < K at the tree's slots (which the verification forward then rewrites with the same
 values), and the committed context those layers attend to is already there. A trained head
-in place of the target's norm + LM head comes in a later issue.
+in place of the target's norm + LM head: `early-exit:trained` (`drafters/heads.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Paged KV blocks: per-request block tables, reference counts, prefix caching.
 
-Rules (ARCHITECTURE.md):
+Rules:
 
 * Full blocks of *committed* tokens are content-hashed -- hash of the parent block's hash and
   the block's token ids -- and shared between requests with reference counts.

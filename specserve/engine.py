@@ -429,7 +429,7 @@ class LLMEngine:
         computed, the tokens it emits appended (a stop or max_tokens may cut them short), its
         full blocks hashed and its rejected nodes' blocks returned. None: it emits nothing."""
         seq = s.seq
-        seq.spec.target_forwards += 1
+        seq.spec_stats.target_forwards += 1
         if verdict is not None and verdict.error is not None:
             raise verdict.error
         path = verdict.path if verdict is not None else [0]
@@ -441,7 +441,7 @@ class LLMEngine:
         self.block_manager.commit(seq.block_table, seq.token_ids, min(seq.num_computed, len(seq.token_ids)))
         if draft is not None:
             rejected = bool(draft.tree.children[path[-1]])  # else the accepted path ran to a leaf
-            seq.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
+            seq.spec_stats.record(draft.num_drafted, verdict.num_accepted, rejected)
             self.metrics.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
             for observe in self.tree_observers:
                 observe(seq.request_id, draft.tree, path)

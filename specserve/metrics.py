@@ -2,9 +2,9 @@
 (`specserve:num_requests_running`, `specserve:time_to_first_token_seconds`,
 `specserve:spec_decode_num_accepted_tokens_per_pos`, ...), so vLLM dashboards carry over.
 
-Request latencies are observed when a request ends (in the server's event loop, the only
-writer); engine state (running and waiting requests, KV blocks in use, speculation totals) is
-read when scraped.
+Request latencies are observed when a request ends, by the engine's thread (the only writer);
+engine state (running and waiting requests, KV blocks in use, speculation totals) is read when
+scraped, from the server's event loop while that thread runs: figures may be a step apart.
 """
 
 from __future__ import annotations

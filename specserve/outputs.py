@@ -81,5 +81,5 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
 def _total_spec(seqs: list[Sequence]) -> SpecStats:
     total = SpecStats()
     for seq in seqs:
-        total.add(seq.spec)
+        total.add(seq.spec_stats)
     return total

@@ -103,7 +103,7 @@ class Sequence:
     # speculation, decided when the request is added
     drafter: Drafter | None = None
     max_tree_tokens: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -129,7 +129,7 @@ class SpeculationPolicy:
         could never look better than one half."""
         record = self._record(seq.drafter)
         prior = (record.accepted + 1) / (record.accepted + record.rejected + 2)
-        stats = seq.spec
+        stats = seq.spec_stats
         return (stats.accepted_tokens + PRIOR_STEPS * prior) / (stats.accepted_tokens + stats.rejections
                                                                 + PRIOR_STEPS)
 

@@ -155,24 +155,17 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
     if batch.penalized:
         at = batch.index(batch.penalized)
         scores = scores.index_copy(0, at, penalize(scores[at], [batch.rows[u] for u in batch.penalized]))
-    checked = any(not c.row.params.plain_greedy for c in candidates)  # those fail on non-finite logits
-    best, argmax = scores.max(-1) if checked else (None, scores.argmax(-1))
     n = len(batch.tokens)
-    parts = {"bonus": argmax}  # what read 1 brings back, each n long but "top" (k per logprob node)
+    # read 1 brings these back, each n long but "top" (k per logprob node)
+    parts = {"bonus": torch.zeros(n, dtype=torch.int64, device=logits.device)}
+    if any(not c.row.params.plain_greedy for c in candidates):  # these fail on non-finite logits
+        parts["finite"] = torch.ones(n, dtype=torch.int64, device=logits.device)
     if n > len(candidates):  # some tree has children
         parts["decision"] = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
-    if batch.greedy_edges:
-        parent, child = (batch.index(e) for e in zip(*batch.greedy_edges, strict=True))
-        accepted = batch.tensor(batch.tokens)[child] == argmax[parent]
-        # the first accepted child of each parent: children are numbered in the order they are tried
-        first = torch.full((n,), n, dtype=torch.int64, device=logits.device)
-        first.scatter_reduce_(0, parent[accepted], child[accepted], "amin")
-        parts["decision"] = torch.where(first < n, first, parts["decision"])
+    if batch.greedy:
+        _greedy(batch, scores, parts)
     if batch.sampled:
-        parts["bonus"] = argmax.clone()
-        _sample(batch, candidates, scores, parts.get("decision"), parts["bonus"])
-    if checked:
-        parts["finite"] = torch.isfinite(best).to(torch.int64)
+        _sample(batch, candidates, scores, parts)
     floats: list[torch.Tensor] = []
     if batch.logprob_nodes:
         emitted = parts["bonus"]
@@ -191,6 +184,28 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
     return batch.walk(decided, read, candidates)
 
 
+def _greedy(batch: _Batch, scores: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+    """The greedy candidates' decisions and bonus tokens (in place): every node's (penalised)
+    argmax; a node accepts its first child equal to it."""
+    n = len(batch.tokens)
+    at = None if len(batch.greedy) == n else batch.index(batch.greedy)
+    rows = scores if at is None else scores[at]
+    if "finite" in parts:
+        best, argmax = rows.max(-1)
+        parts["finite"][at if at is not None else slice(None)] = torch.isfinite(best).to(torch.int64)
+    else:
+        argmax = rows.argmax(-1)
+    bonus = parts["bonus"]
+    bonus[at if at is not None else slice(None)] = argmax
+    if batch.greedy_edges:
+        parent, child = (batch.index(e) for e in zip(*batch.greedy_edges, strict=True))
+        accepted = batch.tensor(batch.tokens)[child] == bonus[parent]
+        # the first accepted child of each parent: children are numbered in the order they are tried
+        first = torch.full((n,), n, dtype=torch.int64, device=scores.device)
+        first.scatter_reduce_(0, parent[accepted], child[accepted], "amin")
+        parts["decision"] = torch.where(first < n, first, parts["decision"])
+
+
 def accept_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     """Speculative sampling's acceptance rule, elementwise (a seam the tests break on purpose)."""
     return torch.where(q_x > 0, (p_x / q_x).clamp(max=1.0), torch.zeros_like(p_x))
@@ -207,6 +222,7 @@ class _Batch:
     rows: dict[int, SamplingRow]  # penalised nodes' rows: the path's tokens in their history
     penalized: list[int]
     greedy_edges: list[tuple[int, int]]  # (parent, child) of greedy candidates' trees
+    greedy: list[int]  # nodes of greedy candidates
     sampled: list[int]  # nodes of sampled candidates
     logprob_nodes: list[int]
     children: list[tuple[int, ...]]  # flat children of each node, in the order they are tried
@@ -216,7 +232,7 @@ class _Batch:
 
     @classmethod
     def build(cls, candidates: Sequence[Candidate], device: torch.device) -> _Batch:
-        batch = cls(device, [], [], [], {}, [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
+        batch = cls(device, [], [], [], {}, [], [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
         for b, c in enumerate(candidates):
             base = len(batch.tokens)
             batch.offsets.append(base)
@@ -232,6 +248,7 @@ class _Batch:
                     batch.rows[base + u] = SamplingRow(params, c.row.prompt_ids, [*c.row.output_ids, *path])
                 batch.penalized += nodes
             if params.greedy:
+                batch.greedy += nodes
                 batch.greedy_edges += [(base + p, base + u) for u, p in enumerate(c.tree.parents) if p >= 0]
             else:
                 batch.sampled += nodes
@@ -278,44 +295,43 @@ class _Batch:
         return verdicts
 
 
-def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor, decision: torch.Tensor | None,
-            bonus: torch.Tensor) -> None:
+def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor,
+            parts: dict[str, torch.Tensor]) -> None:
     """The sampled candidates' walks, level by level and all at once (in place: `decision` of the
     nodes they pass, `bonus` of the node each stops at). A level forms the distribution of each
-    walk's current node only, its chance of accepting each child (the earlier ones rejected),
-    and, for walks that stop there, what remains of it for the bonus token: as `verify` does."""
+    walk's current node only and its chance of accepting each child, the earlier ones rejected;
+    where a walk stops, the bonus is drawn from what is left once all its children are
+    rejected: as `verify` does."""
     walks = [b for b, c in enumerate(candidates) if not c.row.params.greedy]
+    params = [candidates[b].row.params for b in walks]
     depth = [max(candidates[b].tree.depths) for b in walks]
     width = max(len(kids) for b in walks for kids in candidates[b].tree.children) or 1
-    table = _ChildTable.build(batch, [u for b in walks for u in range(batch.offsets[b],
-                                                                        batch.offsets[b] + len(candidates[b].tree))],
-                              width, scores.device)
+    decision, bonus, finite = parts.get("decision"), parts["bonus"], parts["finite"]
+    nodes_of_walks = [u for b in walks for u in range(batch.offsets[b], batch.offsets[b] + len(candidates[b].tree))]
+    table = _ChildTable.build(batch, nodes_of_walks, width, scores.device)
     edge_u, bonus_u = _uniforms(batch, candidates)
     current = batch.index([batch.offsets[b] for b in walks])
     done = torch.zeros(len(walks), dtype=torch.bool, device=scores.device)
-    final = torch.zeros(len(walks), scores.shape[-1], dtype=torch.float32, device=scores.device)
-    stopped_at = current.clone()
-    for level in range(max(depth) + 1):
-        alive = [i for i, d in enumerate(depth) if d >= level]  # a shallower tree's walk has surely stopped
+    for level in range(max(depth)):  # at the deepest level every node is a leaf
+        alive = [i for i, d in enumerate(depth) if d > level]  # a shallower tree's walk has surely stopped
         at = batch.index(alive)
-        nodes, walking = current[at], ~done[at]
-        p = filter_rows(scores[nodes], [candidates[walks[i]].row.params for i in alive]).softmax(-1)
+        nodes = current[at]
+        p = filter_rows(scores[nodes], [params[i] for i in alive]).softmax(-1)
+        finite[nodes] = torch.isfinite(p.sum(-1)).to(torch.int64)  # NaN for any NaN or +inf logit
+        chance, _ = _chances(table, nodes, p)
         kids = table.children[nodes]
-        if any(candidates[walks[i]].draft_probs for i in alive):
-            chance, rest = _drafted_chances(table, nodes, kids, p)
-        else:
-            chance, rest = _point_mass_chances(table, nodes, p)
         accepted = (edge_u[kids.clamp(min=0)] < chance) & (kids >= 0)
-        found = accepted.any(1) & walking
-        nxt = kids.gather(1, accepted.to(torch.uint8).argmax(1, keepdim=True)).flatten()  # the first accepted
-        stop = walking & ~found
-        final[at] = torch.where(stop[:, None], rest, final[at])
-        stopped_at[at] = torch.where(stop, nodes, stopped_at[at])
+        found = accepted.any(1) & ~done[at]
+        first = kids.gather(1, accepted.to(torch.uint8).argmax(1, keepdim=True)).flatten()
         if decision is not None:
-            decision[nodes] = torch.where(found, nxt, decision[nodes])
-        current[at] = torch.where(found, nxt, nodes)
-        done[at] = done[at] | stop
-    bonus[stopped_at] = _inverse_cdf(final, bonus_u[stopped_at])
+            decision[nodes] = torch.where(found, first, decision[nodes])
+        current[at] = torch.where(found, first, nodes)
+        done[at] = ~found
+    p = filter_rows(scores[current], params).softmax(-1)
+    finite[current] = torch.isfinite(p.sum(-1)).to(torch.int64)
+    if max(depth) > 0:  # what is left of p once a stopped walk's children are all rejected
+        _, p = _chances(table, current, p, residual=True)
+    bonus[current] = _inverse_cdf(p, bonus_u[current])
 
 
 @dataclass
@@ -347,29 +363,36 @@ class _ChildTable:
         return cls(*(torch.tensor(t, device=device) for t in (children, tokens, fresh, draft_row)), draft)
 
 
-def _point_mass_chances(table: _ChildTable, nodes: torch.Tensor, p: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Children proposed deterministically: rejecting x leaves p without x, renormalised, so child
-    j is accepted with p(x_j) / (1 - the mass of the tokens rejected before it) (0 for a token
-    already rejected), and the bonus is drawn from p without any child's token."""
-    tokens, fresh = table.tokens[nodes], table.fresh[nodes] & (table.children[nodes] >= 0)
+def _chances(table: _ChildTable, nodes: torch.Tensor, p: torch.Tensor, residual: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each node's chance of accepting each child, its earlier children rejected ([nodes, width]),
+    and with `residual` the distribution left once all are rejected (what the bonus is drawn from).
+
+    Children proposed deterministically: rejecting x leaves p without x, renormalised, so child
+    j is accepted with p(x_j) / (1 - the mass of the tokens rejected before it), 0 for a token
+    already rejected. Children sampled from a draft q without replacement: child after child,
+    min(1, p(x) / q(x)), then p <- norm(max(p - q, 0)) and q loses x."""
+    if table.draft is not None:  # some node's children were sampled (known on the host: no read)
+        return _drafted_chances(table, nodes, p)
+    tokens, live = table.tokens[nodes], table.children[nodes] >= 0
+    fresh = table.fresh[nodes] & live
     p_x = p.gather(1, tokens) * fresh
     left = 1 - (p_x.cumsum(1) - p_x)  # the mass left after the earlier rejections
     residual_x = torch.where(fresh & (left > 0), p_x / left.clamp(min=torch.finfo(p.dtype).tiny), 0.0)
     chance = torch.as_tensor(accept_probability(residual_x, torch.ones_like(residual_x)), dtype=p.dtype,
                              device=p.device).expand_as(residual_x)
-    tried = torch.zeros_like(p).scatter_add_(1, tokens, (table.children[nodes] >= 0).to(p.dtype))  # pads: 0
+    if not residual:
+        return chance, None
+    tried = torch.zeros_like(p).scatter_add_(1, tokens, live.to(p.dtype))  # pads add nothing
     return chance, _normalized(p.masked_fill(tried > 0, 0.0), p)
 
 
-def _drafted_chances(table: _ChildTable, nodes: torch.Tensor, kids: torch.Tensor, p: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Child after child; where the children were sampled from a draft q without replacement,
-    the chance min(1, p(x) / q(x)), then p <- norm(max(p - q, 0)) and q loses x; elsewhere as
-    `_point_mass_chances` (a point mass q at x)."""
+def _drafted_chances(table: _ChildTable, nodes: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_chances` child after child (nodes with a draft q, and deterministic ones as a point mass)."""
+    kids = table.children[nodes]
     rows = table.draft_row[nodes]
     has_q = rows >= 0
-    q = table.draft[rows.clamp(min=0)] if table.draft is not None else torch.zeros_like(p)
+    q = table.draft[rows.clamp(min=0)]
     every = torch.arange(len(nodes), device=p.device)
     chances = []
     for j in range(kids.shape[1]):

@@ -38,8 +38,8 @@ def decoding(seq_id: int, accepted: int = 0, steps: int = 0) -> Sequence:
                    params=SamplingParams(max_tokens=100), text=TextStream(NullTokenizer(), [1, 2, 3]),
                    drafter=DRAFTER, max_tree_tokens=8)
     for _ in range(steps):
-        seq.spec.record(8, 0)
-    seq.spec.accepted_tokens = accepted
+        seq.spec_stats.record(8, 0)
+    seq.spec_stats.accepted_tokens = accepted
     return seq
 
 
@@ -341,7 +341,7 @@ def test_chains_accepted_to_their_end_do_not_count_as_rejections():
     policy = adaptive_policy(FLAT)
     seq = decoding(0)
     for _ in range(20):
-        seq.spec.record(1, 1, rejected=False)
+        seq.spec_stats.record(1, 1, rejected=False)
         policy.observe_verify(DRAFTER, accepted=1, rejected=False)
     assert policy.acceptance(seq) > 0.9
 
@@ -356,7 +356,7 @@ def test_a_drafter_judged_on_one_unlucky_step_is_tried_again_after_a_while():
     policy = adaptive_policy(DEAR_NODE)
     seq = decoding(0)
     assert policy.budgets({seq: 1}, base_tokens=1, max_total=8)[seq] == 1
-    seq.spec.record(1, 0)
+    seq.spec_stats.record(1, 0)
     policy.observe_verify(DRAFTER, accepted=0)
     plain = 0
     while policy.budgets({seq: 1}, base_tokens=1, max_total=8)[seq] == 0:
