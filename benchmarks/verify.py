@@ -1,8 +1,9 @@
 """What verifying a step's trees costs: the per-tree walk of an earlier commit against batched
 verification (`specserve.verify.verify_batch`), in one run.
 
-For 1, 16 and 64 sequences, each with a tree of 1, 8 or 32 nodes (random shapes; along one
-root-to-leaf path each node's logits favour its child's token, so drafts are often accepted),
+For 1, 16 and 64 sequences, each with a tree of 1, 8 or 32 nodes (a random recursive tree, or a
+chain; along one root-to-leaf path each node's logits favour its child's token, so drafts are
+often accepted),
 over SmolLM2's vocabulary (49,152), greedy, sampled (temperature 0.8) and sampled with top-p 0.95:
 the time to turn the step's logits into each sequence's accepted path and emitted tokens. "Before" is the
 engine's code at `--before` (checked out into a git worktree and run in a process of its own:
@@ -32,16 +33,20 @@ VOCAB = 49152
 SEQUENCES = (1, 16, 64)
 NODES = (1, 8, 32)
 MODES = ("greedy", "sampled", "top-p")
+SHAPES = ("tree", "chain")
 
 
-def step_inputs(sequences: int, nodes: int, seed: int):
-    """Trees, logits ([sequences * nodes, VOCAB]) and histories of one step."""
+def step_inputs(sequences: int, nodes: int, shape: str, seed: int):
+    """Trees, logits ([sequences * nodes, VOCAB]) and histories of one step. "tree": each node's
+    parent any earlier node (a random recursive tree: bushy, a few levels deep); "chain": a
+    drafted chain."""
     from specserve.tree import TokenTree
 
     gen = torch.Generator().manual_seed(seed)
     trees, rows = [], []
     for _ in range(sequences):
-        parents = [-1] + [int(torch.randint(max(0, i - 3), i, (), generator=gen)) for i in range(1, nodes)]
+        parents = [-1] + [i - 1 if shape == "chain" else int(torch.randint(0, i, (), generator=gen))
+                          for i in range(1, nodes)]
         tokens = torch.randint(0, VOCAB, (nodes,), generator=gen).tolist()
         tree = TokenTree(tuple(tokens), tuple(parents))
         logits = torch.randn(nodes, VOCAB, generator=gen) * 2
@@ -97,10 +102,11 @@ def measure(side: str, repeats: int, warmup: int) -> dict[str, float]:
 
     run = before_step if side == "before" else after_step
     times = {}
+    shapes = [(shape, nodes) for shape in SHAPES for nodes in NODES if nodes > 1 or shape == SHAPES[0]]
     for mode in MODES:
         for sequences in SEQUENCES:
-            for nodes in NODES:
-                trees, logits, history = step_inputs(sequences, nodes, seed=sequences * 100 + nodes)
+            for shape, nodes in shapes:
+                trees, logits, history = step_inputs(sequences, nodes, shape, seed=sequences * 100 + nodes)
                 rows = [SamplingRow(params_of(mode), h[:32], h[32:], torch.Generator().manual_seed(i))
                         for i, h in enumerate(history)]
                 for _ in range(warmup):
@@ -110,7 +116,7 @@ def measure(side: str, repeats: int, warmup: int) -> dict[str, float]:
                     start = time.perf_counter()
                     run(trees, logits, rows)
                     samples.append(time.perf_counter() - start)
-                times[f"{mode}/{sequences}/{nodes}"] = statistics.median(samples)
+                times[f"{mode}/{shape}/{sequences}/{nodes}"] = statistics.median(samples)
     return times
 
 
@@ -158,11 +164,13 @@ def main() -> None:
                 samples[side].setdefault(shape, []).append(seconds)
     rows, table = [], []
     for shape in samples["after"]:
-        mode, sequences, nodes = shape.split("/")
+        mode, form, sequences, nodes = shape.split("/")
         before, after = (statistics.median(samples[side][shape]) * 1e3 for side in sides)
-        rows.append({"mode": mode, "sequences": int(sequences), "nodes": int(nodes), "before_ms": before,
+        rows.append({"mode": mode, "shape": form, "sequences": int(sequences), "nodes": int(nodes),
+                     "before_ms": before,
                      "after_ms": after, "speedup": before / after})
-        table.append([mode, sequences, nodes, f"{before:.2f}", f"{after:.2f}", f"{before / after:.2f}x"])
+        table.append([mode, form if int(nodes) > 1 else "-", sequences, nodes, f"{before:.2f}", f"{after:.2f}",
+                      f"{before / after:.2f}x"])
     result = {"benchmark": "verify", "before": args.before, "vocab": VOCAB, "repeats": args.repeats,
               "rounds": args.rounds, "threads": torch.get_num_threads(), "machine": processor_name(),
               "torch": torch.__version__, "rows": rows}
@@ -170,7 +178,7 @@ def main() -> None:
                  f"Verification time per step (ms): the per-tree code at {args.before} against `verify_batch`, "
                  f"SmolLM2's vocabulary, {processor_name()}, {torch.get_num_threads()} threads; median over "
                  f"{args.rounds} turns of the median of {args.repeats} steps",
-                 ["mode", "sequences", "nodes", "before ms", "after ms", "speed-up"], table)
+                 ["mode", "shape", "sequences", "nodes", "before ms", "after ms", "speed-up"], table)
 
 
 if __name__ == "__main__":

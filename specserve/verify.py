@@ -137,14 +137,13 @@ class Candidate:
 
 def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[Verdict]:
     """`verify` for every candidate at once, as tensor ops on the logits' device (`logits`: the
-    candidates' node rows in order, [total nodes, vocab]). The same algorithm, rearranged so that
-    nothing waits on a draw: every node's acceptance probability for each child, given that its
-    earlier siblings were rejected, and its bonus distribution, given that all were, do not
-    depend on the walk; so each node draws a uniform per child and one for its bonus up front
-    (from the request's generator), every node decides, and the host follows the decisions from
-    each root. The step reads the device twice at most: the decisions (and top-logprob tokens),
-    and the log-probabilities when asked. A greedy node accepts its first child equal to its
-    (penalised) argmax and adds that argmax."""
+    candidates' node rows in order, [total nodes, vocab]); the same algorithm and distribution.
+    Greedy trees: every node's (penalised) argmax, then the host follows each root's first child
+    equal to it. Sampled trees: their walks advance together, level by level, without waiting on
+    the host: each walk's uniforms are drawn up front from its request's generator (one per
+    child, one for the bonus), and a level forms only the current nodes' distributions and their
+    chances of accepting each child (see `_sample`). The step reads the device once (argmax,
+    decisions, bonus tokens), twice when logprobs are asked."""
     sizes = [len(c.tree) for c in candidates]
     if logits.shape[0] != sum(sizes):
         raise ValueError(f"need one row of logits per tree node: {logits.shape[0]} rows for {sum(sizes)} nodes")
@@ -160,7 +159,7 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
     parts = {"bonus": torch.zeros(n, dtype=torch.int64, device=logits.device)}
     if any(not c.row.params.plain_greedy for c in candidates):  # these fail on non-finite logits
         parts["finite"] = torch.ones(n, dtype=torch.int64, device=logits.device)
-    if n > len(candidates):  # some tree has children
+    if any(len(c.tree) > 1 and not c.row.params.greedy for c in candidates):  # sampled walks' decisions
         parts["decision"] = torch.full((n,), -1, dtype=torch.int64, device=logits.device)
     if batch.greedy:
         _greedy(batch, scores, parts)
@@ -185,25 +184,17 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
 
 
 def _greedy(batch: _Batch, scores: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-    """The greedy candidates' decisions and bonus tokens (in place): every node's (penalised)
-    argmax; a node accepts its first child equal to it."""
-    n = len(batch.tokens)
-    at = None if len(batch.greedy) == n else batch.index(batch.greedy)
+    """The greedy candidates' nodes' (penalised) argmax, in `parts["bonus"]`: the host's walk
+    accepts a node's first child equal to it and adds it where none is (`_Batch.walk`)."""
+    at = None if len(batch.greedy) == len(batch.tokens) else batch.index(batch.greedy)
     rows = scores if at is None else scores[at]
+    where = slice(None) if at is None else at
     if "finite" in parts:
         best, argmax = rows.max(-1)
-        parts["finite"][at if at is not None else slice(None)] = torch.isfinite(best).to(torch.int64)
+        parts["finite"][where] = torch.isfinite(best).to(torch.int64)
     else:
         argmax = rows.argmax(-1)
-    bonus = parts["bonus"]
-    bonus[at if at is not None else slice(None)] = argmax
-    if batch.greedy_edges:
-        parent, child = (batch.index(e) for e in zip(*batch.greedy_edges, strict=True))
-        accepted = batch.tensor(batch.tokens)[child] == bonus[parent]
-        # the first accepted child of each parent: children are numbered in the order they are tried
-        first = torch.full((n,), n, dtype=torch.int64, device=scores.device)
-        first.scatter_reduce_(0, parent[accepted], child[accepted], "amin")
-        parts["decision"] = torch.where(first < n, first, parts["decision"])
+    parts["bonus"][where] = argmax
 
 
 def accept_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +212,6 @@ class _Batch:
     offsets: list[int]
     rows: dict[int, SamplingRow]  # penalised nodes' rows: the path's tokens in their history
     penalized: list[int]
-    greedy_edges: list[tuple[int, int]]  # (parent, child) of greedy candidates' trees
     greedy: list[int]  # nodes of greedy candidates
     sampled: list[int]  # nodes of sampled candidates
     logprob_nodes: list[int]
@@ -232,7 +222,7 @@ class _Batch:
 
     @classmethod
     def build(cls, candidates: Sequence[Candidate], device: torch.device) -> _Batch:
-        batch = cls(device, [], [], [], {}, [], [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
+        batch = cls(device, [], [], [], {}, [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
         for b, c in enumerate(candidates):
             base = len(batch.tokens)
             batch.offsets.append(base)
@@ -249,7 +239,6 @@ class _Batch:
                 batch.penalized += nodes
             if params.greedy:
                 batch.greedy += nodes
-                batch.greedy_edges += [(base + p, base + u) for u, p in enumerate(c.tree.parents) if p >= 0]
             else:
                 batch.sampled += nodes
             if c.logprobs is not None:
@@ -267,6 +256,13 @@ class _Batch:
         """Alternatives per logprob node: the most any candidate asked for."""
         return max(self.logprobs_wanted[self.owner[u]] for u in self.logprob_nodes)
 
+    @staticmethod
+    def _next(c: Candidate, base: int, node: int, decision: list[int] | None, bonus: list[int]) -> int | None:
+        """The child a walk moves on to from `node` (None: it stops there)."""
+        if c.row.params.greedy:  # the first child equal to the node's argmax
+            return next((k for k in c.tree.children[node] if c.tree.tokens[k] == bonus[base + node]), None)
+        return decision[base + node] - base if decision is not None and decision[base + node] >= 0 else None
+
     def walk(self, decided: dict[str, list[int]], read: list[float],
              candidates: Sequence[Candidate]) -> list[Verdict]:
         """Each candidate's path from its root by the nodes' decisions (on the host, from read 1)."""
@@ -276,8 +272,7 @@ class _Batch:
         verdicts = []
         for b, c in enumerate(candidates):
             base, path, tokens = self.offsets[b], [0], []
-            while decision is not None and decision[base + path[-1]] >= 0:
-                child = decision[base + path[-1]] - base
+            while (child := self._next(c, base, path[-1], decision, bonus)) is not None:
                 tokens.append(c.tree.tokens[child])
                 path.append(child)
             tokens.append(bonus[base + path[-1]])
