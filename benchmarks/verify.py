@@ -3,12 +3,12 @@ verification (`specserve.verify.verify_batch`), in one run.
 
 For 1, 16 and 64 sequences, each with a tree of 1, 8 or 32 nodes (a random recursive tree, or a
 chain; along one root-to-leaf path each node's logits favour its child's token, so drafts are
-often accepted),
-over SmolLM2's vocabulary (49,152), greedy, sampled (temperature 0.8) and sampled with top-p 0.95:
-the time to turn the step's logits into each sequence's accepted path and emitted tokens. "Before" is the
-engine's code at `--before` (checked out into a git worktree and run in a process of its own:
-one `verify` per tree, a decode's row through argmax or `sample_row`); "after" is this tree's.
-The two take turns, each after its own warm-up; medians.
+often accepted), over SmolLM2's vocabulary (49,152), greedy, sampled (temperature 0.8) and
+sampled with top-p 0.95: the time to turn the step's logits into each sequence's accepted path
+and emitted tokens. "Before" is the engine's code at `--before` (checked out into a git
+worktree and run in a process of its own: one `verify` per tree, a decode's row through argmax
+or `sample_row`); "after" is this tree's. The two take turns, each after its own warm-up;
+medians.
 
     python benchmarks/verify.py [--before 4ef4467] [--repeats 5] [--rounds 2]
 """
