@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -219,32 +219,50 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def filter_rows(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """`filter_logits` for every row of `scores` ([R, vocab], none greedy) with its own parameters."""
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=scores.dtype, device=scores.device)[:, None]
-
-    scores = scores / column([p.temperature for p in params])
+    """`filter_logits` for every row of `scores` ([R, vocab], none greedy) with its own parameters;
+    each filter runs on the rows that ask for it alone (a sort of the vocabulary is dear)."""
+    scores = scores / _column(scores, [p.temperature for p in params])
     vocab = scores.shape[-1]
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if min(top_k) < vocab:
-        kth = torch.topk(scores, max(top_k), dim=-1).values.gather(1, _column_index(scores, [k - 1 for k in top_k]))
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if any(p.top_p < 1 for p in params):
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        probs = sorted_scores.softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-        drop = before >= column([p.top_p for p in params])  # keep the smallest prefix whose mass reaches top_p
-        drop[:, 0] = False  # the likeliest token always (a top_p that rounds to 0 in float32 kept none)
-        scores = scores.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
-    if any(p.min_p > 0 for p in params):
-        probs = scores.softmax(-1)
-        scores = scores.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True),
+    top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    if top_k:
+        def keep_top_k(rows: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+            ks = [p.top_k for p in ps]
+            kth = torch.topk(rows, max(ks), dim=-1).values.gather(1, _column(rows, [k - 1 for k in ks], torch.int64))
+            return rows.masked_fill(rows < kth, float("-inf"))
+
+        scores = _on_rows(scores, top_k, params, keep_top_k)
+    if top_p := [i for i, p in enumerate(params) if p.top_p < 1]:
+        def keep_top_p(rows: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+            sorted_rows, order = torch.sort(rows, dim=-1, descending=True)
+            probs = sorted_rows.softmax(-1)
+            before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+            drop = before >= _column(rows, [p.top_p for p in ps])  # keep the smallest prefix reaching top_p
+            drop[:, 0] = False  # the likeliest token always (a top_p that rounds to 0 in float32 kept none)
+            return rows.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+        scores = _on_rows(scores, top_p, params, keep_top_p)
+    if min_p := [i for i, p in enumerate(params) if p.min_p > 0]:
+        def keep_min_p(rows: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+            probs = rows.softmax(-1)
+            return rows.masked_fill(probs < _column(rows, [p.min_p for p in ps]) * probs.amax(-1, keepdim=True),
                                     float("-inf"))
+
+        scores = _on_rows(scores, min_p, params, keep_min_p)
     return scores
 
 
-def _column_index(scores: torch.Tensor, values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=scores.device)[:, None]
+def _column(like: torch.Tensor, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device)[:, None]
+
+
+def _on_rows(scores: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+             f: Callable[[torch.Tensor, list[SamplingParams]], torch.Tensor]) -> torch.Tensor:
+    """`f` applied to the given rows of `scores` (all of them without copying them out)."""
+    chosen = [params[i] for i in rows]
+    if len(rows) == len(params):
+        return f(scores, chosen)
+    at = torch.tensor(rows, dtype=torch.int64, device=scores.device)
+    return scores.index_copy(0, at, f(scores[at], chosen))
 
 
 def sampling_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:

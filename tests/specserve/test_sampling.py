@@ -201,3 +201,17 @@ def test_logits_that_are_not_finite_raise_a_sampling_error_not_nan():
         logits[3] = poisoned
         with pytest.raises(SamplingError, match="not finite"):
             sampling_distribution(logits, row)
+
+
+def test_rows_filtered_together_keep_their_own_parameters():
+    """A batch mixes rows with and without each filter: a row without one keeps every token it
+    would keep alone (summing 49k float32 probabilities must not drop its tail)."""
+    from specserve.sampling import filter_rows
+
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)) * 2
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=0.8, min_p=0.1)]
+    together = filter_rows(logits, params)
+    for row, p in enumerate(params):
+        assert torch.equal(together[row], filter_logits(logits[row], p))
+    assert torch.isfinite(together[1]).all()
