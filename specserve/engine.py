@@ -415,7 +415,8 @@ class LLMEngine:
                 src += moves[0]
                 dst += moves[1]
         self.kv_cache.compact(src, dst)
-        self.metrics.verify_s += time.perf_counter() - start
+        if drafts:  # a speculative step's share, as target_s
+            self.metrics.verify_s += time.perf_counter() - start
         return verdicts
 
     @staticmethod
@@ -497,7 +498,7 @@ class EngineMetrics:
     spec: SpecStats = field(default_factory=SpecStats)
     draft_s: float = 0.0  # drafters proposing trees
     target_s: float = 0.0  # target forwards of steps that verified at least one tree
-    verify_s: float = 0.0  # walking the trees and compacting accepted K/V
+    verify_s: float = 0.0  # verifying the step's trees (its decodes' too) and compacting accepted K/V
     failed_requests: int = 0  # requests failed alone by an error in their own work (sampling, detokenizing)
     drafter_errors: int = 0  # drafter calls that raised (their sequences went without speculation that step)
 
