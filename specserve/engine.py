@@ -37,7 +37,7 @@ from drafters import (
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
-from specserve.cost_model import decode_keys, load_or_measure
+from specserve.cost_model import load_or_measure
 from specserve.detokenizer import TextStream, load_tokenizer
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ForwardResult, ModelRunner, RequestRows, TreeRequest
@@ -46,7 +46,7 @@ from specserve.outputs import RequestOutput, completion_output, request_metrics
 from specserve.sampling import SamplingParams, normalized_drafter_spec
 from specserve.scheduler import ScheduledSequence, Scheduler
 from specserve.sequence import Sequence, SpecStats, TokenLogprob
-from specserve.speculation import SpeculationPolicy
+from specserve.speculation import SpeculationPolicy, StepRecord
 from specserve.tree import TokenTree
 from specserve.verify import Candidate, Logprob, Verdict, verify_batch
 
@@ -251,18 +251,16 @@ class LLMEngine:
         failed: dict[str, RequestOutput] = {}
         verdicts = self._verify(plan.scheduled, drafts, forward, failed)
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        verified: list[tuple[Drafter, int, bool]] = []  # each tree's drafter, accepted tokens, rejection
         for b, s in enumerate(plan.scheduled):
             if s.seq.request_id in failed:  # another sample of its request failed in this step
                 continue
             with self._containing(s.seq, failed):
-                delta = self._commit(s, drafts.get(s.seq.seq_id), forward[b], verdicts.get(b))
+                delta = self._commit(s, drafts.get(s.seq.seq_id), forward[b], verdicts.get(b), verified)
                 if delta is not None:
                     deltas.setdefault(s.seq.request_id, {})[s.seq.index] = delta
-        # Sized as the scheduler sized its budgets: by decoding sequences, then tokens and nodes.
-        decoding = [s.context_len + 1 for s in plan.scheduled if s.num_tokens == 1]
-        self.policy.observe_step(len(decoding), sum(s.num_tokens for s in plan.scheduled),
-                                 sum(d.num_drafted for d in drafts.values()), time.perf_counter() - start,
-                                 decode_keys(decoding))
+        self.policy.observe(StepRecord(plan.shape, sum(d.num_drafted for d in drafts.values()),
+                                       time.perf_counter() - start, verified))
         outputs = [self._output(self.requests[rid], d) for rid, d in deltas.items() if rid not in failed]
         return outputs + list(failed.values())
 
@@ -424,11 +422,12 @@ class LLMEngine:
         tree = draft.tree if draft is not None else TokenTree.single(s.seq.token_ids[-1])
         return Candidate(tree, s.seq.sampling_row(), draft.probs if draft is not None else {}, s.seq.params.logprobs)
 
-    def _commit(self, s: ScheduledSequence, draft: Draft | None, rows: RequestRows,
-                verdict: Verdict | None) -> tuple[str, list[int]] | None:
+    def _commit(self, s: ScheduledSequence, draft: Draft | None, rows: RequestRows, verdict: Verdict | None,
+                verified: list[tuple[Drafter, int, bool]]) -> tuple[str, list[int]] | None:
         """A sequence's share of the step made final: its chunk (or root) and accepted nodes are
         computed, the tokens it emits appended (a stop or max_tokens may cut them short), its
-        full blocks hashed and its rejected nodes' blocks returned. None: it emits nothing."""
+        full blocks hashed and its rejected nodes' blocks returned; its tree's outcome goes into
+        `verified` (for the step's record). None: it emits nothing."""
         seq = s.seq
         seq.spec_stats.target_forwards += 1
         if verdict is not None and verdict.error is not None:
@@ -446,7 +445,7 @@ class LLMEngine:
             self.metrics.spec.record(draft.num_drafted, verdict.num_accepted, rejected)
             for observe in self.tree_observers:
                 observe(seq.request_id, draft.tree, path)
-            self.policy.observe_verify(seq.drafter, verdict.num_accepted, rejected)
+            verified.append((seq.drafter, verdict.num_accepted, rejected))
         if verdict is None:
             return None
         text, emitted = "", []

@@ -18,7 +18,7 @@ from specserve.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from specserve.config import EngineConfig
 from specserve.cost_model import decode_keys
 from specserve.sequence import Sequence, SequenceStatus
-from specserve.speculation import SpeculationPolicy
+from specserve.speculation import SpeculationPolicy, StepShape, TreePlan
 from specserve.tree import TokenTree
 
 
@@ -30,6 +30,7 @@ class ScheduledSequence:
     context_len: int
     num_tokens: int
     tree_budget: int = 0  # speculative nodes a drafter may add beyond these tokens (the speculative engine)
+    decode: bool = False  # a running sequence's next token (not a prompt chunk, however short)
 
     @property
     def samples(self) -> bool:
@@ -40,11 +41,20 @@ class ScheduledSequence:
         return TokenTree.chain(self.seq.token_ids[self.context_len : self.context_len + self.num_tokens])
 
 
+def step_shape(scheduled: list[ScheduledSequence]) -> StepShape:
+    """A step's shape by the same rules the policy planned it with: decodes are running
+    sequences' next tokens; prompt chunks, admitted ones included, count as tokens."""
+    decodes = [s for s in scheduled if s.decode]
+    return StepShape(len(decodes), sum(s.num_tokens for s in scheduled),
+                     decode_keys([s.context_len + 1 for s in decodes]))
+
+
 @dataclass
 class StepPlan:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     token_seconds: float | None = None  # seconds per emitted token the speculation policy expects
+    shape: StepShape = StepShape(0, 0)  # of the step as scheduled (`step_shape`): what its record reports
 
     @property
     def num_batched_tokens(self) -> int:
@@ -89,9 +99,9 @@ class Scheduler:
                 budget -= 1
         prompt_tokens = min(budget, sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1))
         caps = {seq: self._tree_budget(seq) for seq in wanted if seq.drafter is not None}
-        keys = decode_keys([seq.num_tokens for seq in wanted])
-        trees = self.policy.budgets(caps, len(wanted) + prompt_tokens, budget, len(wanted), keys) if caps else {}
-        plan.token_seconds = self.policy.token_seconds if trees else None
+        shape = StepShape(len(wanted), len(wanted) + prompt_tokens, decode_keys([seq.num_tokens for seq in wanted]))
+        tree_plan = self.policy.plan(caps, shape, budget) if caps else TreePlan({})
+        trees, plan.token_seconds = tree_plan.budgets, tree_plan.token_seconds
         budget -= sum(trees.values())
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
@@ -104,13 +114,15 @@ class Scheduler:
             if seq not in wanted or seq.status is not SequenceStatus.RUNNING:
                 continue
             if self._reserve(seq, wanted[seq], plan):
-                plan.scheduled.append(ScheduledSequence(seq, seq.num_computed, wanted[seq]))
+                plan.scheduled.append(ScheduledSequence(seq, seq.num_computed, wanted[seq],
+                                                        decode=seq.num_uncomputed == 1))
         for s in plan.scheduled:  # trees only from blocks nobody's next token needs
             s.tree_budget = self._reserve_tree(s.seq, trees.get(s.seq, 0))
         budget = self.config.max_num_batched_tokens - plan.num_batched_tokens  # what preemption freed
 
         if not plan.preempted:  # under memory pressure, admit nobody new
             self._admit(plan, budget)
+        plan.shape = step_shape(plan.scheduled)
         return plan
 
     def _tree_budget(self, seq: Sequence) -> int:

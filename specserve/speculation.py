@@ -36,7 +36,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -69,6 +69,46 @@ MIN_RATE_GAIN = 0.02
 DECIDING_SHARE = 0.002
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's cost depends on besides its drafted nodes, in the terms the scheduler plans
+    with and the engine records: its decoding sequences, its tokens (decodes and prompt chunks),
+    and the key positions its decodes' attention reads (their number times the longest one's
+    length, see `StepCost`)."""
+
+    decodes: int
+    tokens: int
+    keys: int = 0
+
+    @property
+    def chunked(self) -> bool:
+        """Prompt chunks beside the decodes."""
+        return self.tokens > self.decodes
+
+
+@dataclass
+class TreePlan:
+    """The policy's answer for a step: drafted nodes per speculating sequence, and the seconds an
+    emitted token is worth at that plan (what a drafter weighs another draft forward against;
+    None: no estimate)."""
+
+    budgets: dict[Sequence, int]
+    token_seconds: float | None = None
+
+
+@dataclass
+class StepRecord:
+    """A step as it ran, all the policy learns from: its shape, its drafted nodes, its seconds from
+    the forward to the last emitted token (drafting excluded; None: not timed, the step-cost fit
+    learns nothing from it), and every verified tree's drafter, accepted tokens and whether a
+    token was then rejected (not the tree's edge reached)."""
+
+    shape: StepShape
+    nodes: int
+    seconds: float | None
+    verified: list[tuple[Drafter, int, bool]] = field(default_factory=list)
+
+
 @dataclass
 class _DrafterRecord:
     accepted: int = 0
@@ -91,30 +131,23 @@ class SpeculationPolicy:
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
         self._skips: dict[int, int] = {}  # by batch bucket: steps left that decide nothing (see DECIDING_SHARE)
         self._look_seconds: dict[int, float] = {}  # by batch bucket: what the last look took
-        # Seconds per emitted token of the last plan chosen: what a token is worth to a drafter
-        # deciding whether another draft forward pays (None when not adaptive).
-        self.token_seconds: float | None = None
 
     # -- measurements -------------------------------------------------------------------------
 
-    def observe_verify(self, drafter: Drafter, accepted: int, rejected: bool = True) -> None:
-        """A verify step accepted `accepted` drafted tokens, and then a token was `rejected`, or
-        the accepted path reached the tree's edge (which says nothing of the next token)."""
-        record = self._record(drafter)
-        record.accepted += accepted
-        record.rejected += rejected
-        record.steps += 1
+    def observe(self, record: StepRecord) -> None:
+        """Learn from a step: its time at its shape (the step-cost fit), its trees' outcomes."""
+        for drafter, accepted, rejected in record.verified:
+            entry = self._record(drafter)
+            entry.accepted += accepted
+            entry.rejected += rejected
+            entry.steps += 1
+        if self.forward_cost is not None and record.seconds is not None:
+            shape = record.shape
+            self._step_cost(shape.decodes).add(shape.tokens, record.nodes, record.seconds, shape.chunked, shape.keys)
 
-    def observe_step(self, num_seqs: int, base_tokens: int, nodes: int, seconds: float, keys: int = 0) -> None:
-        """A step's measured time from its forward to its last emitted token (drafting excluded):
-        `base_tokens` of decodes and prompt chunks, `nodes` drafted nodes, `keys` the decodes'
-        number times their longest sequence (see `StepCost`)."""
-        if self.forward_cost is not None:
-            self._step_cost(num_seqs).add(base_tokens, nodes, seconds, base_tokens > num_seqs, keys)
-
-    def step_seconds(self, num_seqs: int, base_tokens: int, nodes: int = 0, keys: int = 0) -> float:
+    def step_seconds(self, shape: StepShape, nodes: int = 0) -> float:
         """Predicted time of a step (without drafting)."""
-        return float(self._step_cost(num_seqs).seconds(base_tokens, nodes, base_tokens > num_seqs, keys))
+        return float(self._step_cost(shape.decodes).seconds(shape.tokens, nodes, shape.chunked, shape.keys))
 
     def _step_cost(self, num_seqs: int) -> StepCost:
         bucket = _bucket(num_seqs)
@@ -135,29 +168,27 @@ class SpeculationPolicy:
 
     # -- the decision ---------------------------------------------------------------------------
 
-    def budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
-                num_seqs: int | None = None, keys: int = 0) -> dict[Sequence, int]:
-        """Drafted nodes per sequence (each within its cap, all within `max_total`). `num_seqs`:
-        the step's decoding sequences, speculating or not (default: those in `caps`); `keys`:
-        their number times the longest one's tokens (see `StepCost`)."""
+    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
+        """Drafted nodes per sequence (each within its cap, all within `max_total`) for a step of
+        `shape` (its decodes speculating or not; its tokens besides the drafted nodes)."""
         if not self.adaptive or self.forward_cost is None:
             chosen, left = {}, max_total
             for seq, cap in caps.items():
                 chosen[seq] = min(cap, left)
                 left -= chosen[seq]
-            return chosen
-        return self._best_budgets(caps, base_tokens, max_total, len(caps) if num_seqs is None else num_seqs, keys)
+            return TreePlan(chosen)
+        return self._best_budgets(caps, shape, max_total)
 
-    def _best_budgets(self, caps: Mapping[Sequence, int], base_tokens: int, max_total: int,
-                      num_seqs: int, keys: int) -> dict[Sequence, int]:
+    def _best_budgets(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
         budgets = dict.fromkeys(caps, 0)
+        num_seqs, base_tokens, keys = shape.decodes, shape.tokens, shape.keys
         bucket = _bucket(num_seqs)
         if self._skips.get(bucket, 0) > 0:  # a look found nothing lately: this step decides nothing
             self._skips[bucket] -= 1
-            return budgets
+            return TreePlan(budgets)
         step_cost = self._step_cost(num_seqs)
         # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
-        chunked = base_tokens > num_seqs
+        chunked = shape.chunked
         step_seconds = partial(step_cost.seconds, base_tokens, chunked=chunked, keys=keys)
         plain_seconds = step_seconds(0)
         # Rates are of the step without its prompt chunks (see the module's docstring): counting
@@ -165,31 +196,30 @@ class SpeculationPolicy:
         # saves at 32 clients, and the trees bought there cost what they brought.
         prompt_seconds = max(0.0, plain_seconds - step_cost.seconds(num_seqs, 0, keys=keys)) if chunked else 0.0
         plain_rate = num_seqs / (plain_seconds - prompt_seconds)  # each emits >= 1 token
-        self.token_seconds = 1.0 / plain_rate
+        plain = TreePlan(budgets, 1.0 / plain_rate)
         seqs = [seq for seq, cap in caps.items() if cap > 0]
         if not seqs or max_total <= 0:
-            return budgets
+            return plain
         # The best node is worth less than a node costs, even before drafting: then so is every
         # prefix of nodes. The common case of a busy server, decided first from what each drafter
         # says its surest guess is worth (without asking for every sequence's profile), then
         # from this step's actual guesses.
         node_seconds = step_cost.node_seconds(base_tokens)
         bound = _first_gain_bound(seqs)
-        if bound is not None and bound * self.token_seconds <= node_seconds:
-            return budgets
+        if bound is not None and bound * plain.token_seconds <= node_seconds:
+            return plain
         start = self._clock()
-        plan = self._best_plan(seqs, caps, max_total, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
-                               node_seconds, plain_rate, self._look_seconds.get(bucket, 0.0))
+        found = self._best_plan(seqs, caps, max_total, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
+                                node_seconds, plain_rate, self._look_seconds.get(bucket, 0.0))
         spent = self._clock() - start
         self._look_seconds[bucket] = spent
-        if plan is None:  # looked for nothing: skip the next looks while looking costs too much
+        if found is None:  # looked for nothing: skip the next looks while looking costs too much
             self._skips[bucket] = int(spent / (self.deciding_share * plain_seconds))
-            return budgets
-        rows, rate = plan
-        self.token_seconds = 1.0 / rate
+            return plain
+        rows, rate = found
         for row, count in enumerate(np.bincount(rows, minlength=len(seqs))):
             budgets[seqs[row]] = int(count)
-        return budgets
+        return TreePlan(budgets, 1.0 / rate)
 
     def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], max_total: int, num_seqs: int,
                    step_seconds: Callable[[np.ndarray], np.ndarray], node_seconds: float,

@@ -196,3 +196,17 @@ def test_a_sequence_that_can_never_fit_raises_instead_of_spinning():
     with pytest.raises(RuntimeError, match="more KV blocks than the whole pool"):
         for _ in range(10):
             run_step(sched, sched.schedule())
+
+
+def test_a_step_s_shape_counts_decodes_as_the_policy_plans_them():
+    """The shape a step is planned with is the one its record reports: a running sequence's next
+    token is a decode; a newly admitted one-token prompt is a prompt chunk, however short."""
+    sched = make_scheduler()
+    decoding = make_seq(0, 3)
+    sched.add(decoding)
+    run_step(sched, sched.schedule())  # prefilled; its first token sampled
+    sched.add(make_seq(1, 1))  # a one-token prompt arrives
+    plan = sched.schedule()
+    assert sorted(s.num_tokens for s in plan.scheduled) == [1, 1]
+    assert (plan.shape.decodes, plan.shape.tokens) == (1, 2)
+    assert plan.shape.keys == decoding.num_tokens  # one decode, reading its whole sequence

@@ -11,7 +11,7 @@ from specserve.cost_model import ForwardCost, RecentMedian, StepCost, StepFit, c
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence
-from specserve.speculation import SpeculationPolicy
+from specserve.speculation import SpeculationPolicy, StepRecord, StepShape
 
 
 class NullTokenizer:
@@ -43,6 +43,29 @@ def decoding(seq_id: int, accepted: int = 0, steps: int = 0) -> Sequence:
     return seq
 
 
+def plan_budgets(policy: SpeculationPolicy, caps: dict, base_tokens: int, max_total: int, num_seqs: int | None = None,
+            keys: int = 0) -> dict:
+    """The policy's tree budgets for a step of `base_tokens` tokens, `num_seqs` of them decodes
+    (default: the speculating sequences)."""
+    shape = StepShape(len(caps) if num_seqs is None else num_seqs, base_tokens, keys)
+    return policy.plan(caps, shape, max_total).budgets
+
+
+def observe_step(policy: SpeculationPolicy, num_seqs: int, base_tokens: int, nodes: int, seconds: float,
+                 keys: int = 0) -> None:
+    """A step of that shape and drafted nodes took `seconds`."""
+    policy.observe(StepRecord(StepShape(num_seqs, base_tokens, keys), nodes, seconds))
+
+
+def observe_verify(policy: SpeculationPolicy, drafter, accepted: int, rejected: bool = True) -> None:
+    """A tree of `drafter`'s was verified (in a step not timed)."""
+    policy.observe(StepRecord(StepShape(1, 1), 1, None, [(drafter, accepted, rejected)]))
+
+
+def step_seconds(policy: SpeculationPolicy, num_seqs: int, base_tokens: int, nodes: int = 0) -> float:
+    return policy.step_seconds(StepShape(num_seqs, base_tokens), nodes)
+
+
 def adaptive_policy(cost: ForwardCost) -> SpeculationPolicy:
     """The adaptive policy on a clock that stands still: every look is free, so none is skipped
     (the one test of skipping sets its own clock)."""
@@ -56,20 +79,20 @@ STEEP = ForwardCost([1, 512], [0.050, 0.050 * 512])  # every row costs a whole f
 def test_cheap_rows_and_good_acceptance_buy_deep_trees():
     policy = adaptive_policy(FLAT)
     seq = decoding(0, accepted=90, steps=10)  # ~0.9 per drafted token
-    assert policy.budgets({seq: 8}, base_tokens=1, max_total=100)[seq] == 8
+    assert plan_budgets(policy, {seq: 8}, base_tokens=1, max_total=100)[seq] == 8
 
 
 def test_poor_acceptance_gets_fewer_nodes_than_good_acceptance():
     policy = adaptive_policy(ForwardCost([1, 2, 512], [0.05, 0.058, 4.0]))
     good, poor = decoding(0, accepted=90, steps=10), decoding(1, accepted=1, steps=40)
-    budgets = policy.budgets({good: 8, poor: 8}, base_tokens=2, max_total=100)
+    budgets = plan_budgets(policy, {good: 8, poor: 8}, base_tokens=2, max_total=100)
     assert budgets[good] > budgets[poor]
 
 
 def test_when_rows_cost_a_forward_each_nothing_is_speculated():
     policy = adaptive_policy(STEEP)
     seqs = [decoding(i, accepted=50, steps=10) for i in range(4)]
-    assert set(policy.budgets(dict.fromkeys(seqs, 8), base_tokens=4, max_total=100).values()) == {0}
+    assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), base_tokens=4, max_total=100).values()) == {0}
 
 
 def test_speculation_shrinks_as_the_batch_grows():
@@ -79,7 +102,8 @@ def test_speculation_shrinks_as_the_batch_grows():
     totals = []
     for batch in (1, 8, 256):
         seqs = [decoding(i, accepted=10, steps=10) for i in range(batch)]  # ~0.5 per drafted token
-        totals.append(sum(policy.budgets(dict.fromkeys(seqs, 8), base_tokens=batch, max_total=1024).values()) / batch)
+        chosen = plan_budgets(policy, dict.fromkeys(seqs, 8), base_tokens=batch, max_total=1024)
+        totals.append(sum(chosen.values()) / batch)
     assert totals[0] >= totals[1] > totals[2] == 0
 
 
@@ -92,19 +116,19 @@ def test_the_drafters_cost_is_charged():
     free, costly = decoding(0, accepted=30, steps=10), decoding(1, accepted=30, steps=10)
     costly.drafter = CostlyDrafter()
     policy = adaptive_policy(FLAT)
-    assert policy.budgets({costly: 8}, 1, 100)[costly] < policy.budgets({free: 8}, 1, 100)[free]
+    assert plan_budgets(policy, {costly: 8}, 1, 100)[costly] < plan_budgets(policy, {free: 8}, 1, 100)[free]
 
 
 def test_measured_steps_correct_the_curve_and_trees_that_slow_steps_down_stop():
     policy = adaptive_policy(FLAT)
     seqs = [decoding(i, accepted=12, steps=10) for i in range(32)]  # ~0.55 per drafted token
-    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 32, 1024).values()) > 0  # trees look nearly free
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 8), 32, 1024).values()) > 0  # trees look nearly free
     for nodes in range(1, 33):
-        policy.observe_step(32, 32, 0, seconds=FLAT(32))
-        policy.observe_step(32, 32, nodes, seconds=FLAT(32) * (1 + nodes / 32))  # 32 nodes: twice as slow
-    assert policy.step_seconds(32, 32) == pytest.approx(FLAT(32), rel=0.01)
-    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 32, 1024).values()) == 0
-    assert policy.budgets({seqs[0]: 8}, 1, 1024)[seqs[0]] > 0  # batch 1 was never measured slower
+        observe_step(policy, 32, 32, 0, seconds=FLAT(32))
+        observe_step(policy, 32, 32, nodes, seconds=FLAT(32) * (1 + nodes / 32))  # 32 nodes: twice as slow
+    assert step_seconds(policy, 32, 32) == pytest.approx(FLAT(32), rel=0.01)
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 8), 32, 1024).values()) == 0
+    assert plan_budgets(policy, {seqs[0]: 8}, 1, 1024)[seqs[0]] > 0  # batch 1 was never measured slower
 
 
 def test_a_node_is_priced_as_measured_not_as_the_curves_slope():
@@ -113,14 +137,14 @@ def test_a_node_is_priced_as_measured_not_as_the_curves_slope():
     8) still pay; their second nodes (0.06 tokens, under 1%) do not."""
     policy = adaptive_policy(FLAT)
     for step in range(300):  # the drafter's record: 1 in 4 drafted tokens accepted, long explored
-        policy.observe_verify(DRAFTER, int(step % 3 == 0))
+        observe_verify(policy, DRAFTER, int(step % 3 == 0))
     seqs = [decoding(i, accepted=4, steps=12) for i in range(8)]  # alpha = 0.25
-    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 8, 1024).values()) > 8  # the curve: deep trees
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 8), 8, 1024).values()) > 8  # the curve: deep trees
     plain = FLAT(8)
     for nodes in (0, 4, 8, 12, 16, 0, 6, 10):
-        policy.observe_step(8, 8, nodes, seconds=plain * (1 + 0.02 * nodes))
-    assert policy.step_seconds(8, 8, 10) == pytest.approx(1.2 * plain)
-    assert policy.budgets(dict.fromkeys(seqs, 8), 8, 1024) == dict.fromkeys(seqs, 1)
+        observe_step(policy, 8, 8, nodes, seconds=plain * (1 + 0.02 * nodes))
+    assert step_seconds(policy, 8, 8, 10) == pytest.approx(1.2 * plain)
+    assert plan_budgets(policy, dict.fromkeys(seqs, 8), 8, 1024) == dict.fromkeys(seqs, 1)
 
 
 def test_trees_measured_faster_than_the_curve_do_not_make_unmeasured_plain_steps_look_dear():
@@ -130,9 +154,9 @@ def test_trees_measured_faster_than_the_curve_do_not_make_unmeasured_plain_steps
     policy = adaptive_policy(STEEP)
     seqs = [decoding(i, accepted=10, steps=10) for i in range(8)]  # ~0.5 per drafted token
     for _ in range(5):
-        policy.observe_step(8, 8, 8, seconds=0.7 * STEEP(16))
-    assert policy.step_seconds(8, 8) == pytest.approx(0.7 * STEEP(8))
-    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 8, 1024).values()) == 0  # every row costs a forward
+        observe_step(policy, 8, 8, 8, seconds=0.7 * STEEP(16))
+    assert step_seconds(policy, 8, 8) == pytest.approx(0.7 * STEEP(8))
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 8), 8, 1024).values()) == 0  # every row costs a forward
 
 
 def test_one_slow_step_does_not_switch_speculation_off_for_good():
@@ -140,11 +164,11 @@ def test_one_slow_step_does_not_switch_speculation_off_for_good():
     no trees, nothing would measure them again."""
     policy = adaptive_policy(FLAT)
     seq = decoding(0, accepted=30, steps=10)
-    policy.observe_step(1, 1, 8, seconds=20 * FLAT(9))
-    assert policy.budgets({seq: 8}, 1, 1024)[seq] > 0
+    observe_step(policy, 1, 1, 8, seconds=20 * FLAT(9))
+    assert plan_budgets(policy, {seq: 8}, 1, 1024)[seq] > 0
     for _ in range(3):
-        policy.observe_step(1, 1, 8, seconds=FLAT(9))
-    assert policy.step_seconds(1, 1, 8) == pytest.approx(FLAT(9))
+        observe_step(policy, 1, 1, 8, seconds=FLAT(9))
+    assert step_seconds(policy, 1, 1, 8) == pytest.approx(FLAT(9))
 
 
 def test_step_cost_fits_scale_and_price_per_node_through_outliers():
@@ -205,13 +229,13 @@ def test_a_busy_step_where_one_small_tree_is_dear_still_drafts_many_nodes_that_p
     curve = ForwardCost([1, 64, 128], [0.050, 0.060, 0.064])
     policy = adaptive_policy(curve)
     for step in range(300):
-        policy.observe_verify(DRAFTER, int(step % 5 < 2))  # long explored, 0.4 accepted
+        observe_verify(policy, DRAFTER, int(step % 5 < 2))  # long explored, 0.4 accepted
     for nodes in (0, 2, 0, 8, 0, 16, 0, 32):
-        policy.observe_step(64, 64, nodes, curve(64) * (1.0 + (0.1 if nodes else 0.0) + 0.001 * nodes))
+        observe_step(policy, 64, 64, nodes, curve(64) * (1.0 + (0.1 if nodes else 0.0) + 0.001 * nodes))
     seqs = [decoding(i, accepted=40, steps=60) for i in range(64)]  # alpha = 0.4
-    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) >= 32
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024).values()) >= 32
     lone = {seqs[0]: 8}  # one sequence's tree alone cannot pay for the overhead
-    assert sum(policy.budgets(lone, 64, 1024, num_seqs=64).values()) == 0
+    assert sum(plan_budgets(policy, lone, 64, 1024, num_seqs=64).values()) == 0
 
 
 BATCH = ForwardCost([1, 32, 64, 128, 512], [0.015, 0.028, 0.042, 0.077, 0.338])  # SmolLM2, bf16, 2 cores
@@ -269,11 +293,11 @@ def test_a_busy_batch_drafts_the_guesses_worth_more_than_a_row():
     sure guesses (0.7) pay, even if the step's measured / calibrated ratio says 2.7."""
     policy = adaptive_policy(BATCH)
     for step in range(300):
-        policy.observe_verify(DRAFTER, int(step % 10 < 7))  # long explored, 0.7 accepted
+        observe_verify(policy, DRAFTER, int(step % 10 < 7))  # long explored, 0.7 accepted
     for _ in range(5):
-        policy.observe_step(64, 64, 0, 2.7 * BATCH(64))
+        observe_step(policy, 64, 64, 0, 2.7 * BATCH(64))
     seqs = [decoding(i, accepted=70, steps=30) for i in range(64)]  # alpha = 0.7
-    assert sum(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) >= 64
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024).values()) >= 64
 
 
 def test_a_machine_that_slows_down_is_noticed_within_a_few_steps():
@@ -331,7 +355,7 @@ def test_a_new_sequence_starts_from_its_drafters_acceptance():
     fresh = decoding(0)
     before = policy.acceptance(fresh)
     for _ in range(50):
-        policy.observe_verify(DRAFTER, accepted=0)
+        observe_verify(policy, DRAFTER, accepted=0)
     assert policy.acceptance(fresh) < before < 1
 
 
@@ -342,7 +366,7 @@ def test_chains_accepted_to_their_end_do_not_count_as_rejections():
     seq = decoding(0)
     for _ in range(20):
         seq.spec_stats.record(1, 1, rejected=False)
-        policy.observe_verify(DRAFTER, accepted=1, rejected=False)
+        observe_verify(policy, DRAFTER, accepted=1, rejected=False)
     assert policy.acceptance(seq) > 0.9
 
 
@@ -355,11 +379,11 @@ def test_a_drafter_judged_on_one_unlucky_step_is_tried_again_after_a_while():
     with the steps that weighed it, and it is tried again."""
     policy = adaptive_policy(DEAR_NODE)
     seq = decoding(0)
-    assert policy.budgets({seq: 1}, base_tokens=1, max_total=8)[seq] == 1
+    assert plan_budgets(policy, {seq: 1}, base_tokens=1, max_total=8)[seq] == 1
     seq.spec_stats.record(1, 0)
-    policy.observe_verify(DRAFTER, accepted=0)
+    observe_verify(policy, DRAFTER, accepted=0)
     plain = 0
-    while policy.budgets({seq: 1}, base_tokens=1, max_total=8)[seq] == 0:
+    while plan_budgets(policy, {seq: 1}, base_tokens=1, max_total=8)[seq] == 0:
         plain += 1
         assert plain < 100
     assert plain >= 1
@@ -368,7 +392,7 @@ def test_a_drafter_judged_on_one_unlucky_step_is_tried_again_after_a_while():
 def test_fixed_budgets_are_the_caps_within_the_token_budget():
     policy = SpeculationPolicy(adaptive=False)
     a, b, c = decoding(0), decoding(1), decoding(2)
-    assert policy.budgets({a: 8, b: 8, c: 8}, base_tokens=3, max_total=12) == {a: 8, b: 4, c: 0}
+    assert plan_budgets(policy, {a: 8, b: 8, c: 8}, base_tokens=3, max_total=12) == {a: 8, b: 4, c: 0}
 
 
 def test_forward_cost_interpolates_between_measured_sizes():
@@ -439,12 +463,12 @@ def test_a_busy_step_verifies_just_the_guesses_its_drafter_is_confident_of():
     seqs = [decoding(i, accepted=45, steps=55) for i in range(64)]
     policy = adaptive_policy(cost)
     for step in range(400):  # long explored
-        policy.observe_verify(DRAFTER, step % 2)
-    assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+        observe_verify(policy, DRAFTER, step % 2)
+    assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     drafter = KnowingDrafter({seq.seq_id: 0.9 if seq.seq_id % 8 == 0 else 0.4 for seq in seqs})
     for seq in seqs:
         seq.drafter = drafter
-    budgets = policy.budgets(dict.fromkeys(seqs, 8), 64, 1024)
+    budgets = plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024)
     assert all(budgets[seq] > 0 for seq in seqs if seq.seq_id % 8 == 0)
     assert all(budgets[seq] == 0 for seq in seqs if seq.seq_id % 8)
 
@@ -455,11 +479,11 @@ def test_a_busy_step_that_no_guess_could_pay_for_asks_no_sequence_what_its_guess
     cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])  # beyond 64 rows, a node costs ~half a token
     seqs, drafter = known_guesses(dict.fromkeys(range(64), 0.4))
     policy = adaptive_policy(cost)
-    assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+    assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     assert drafter.asked == 0
     for seq_id in range(0, 64, 4):  # now some guesses may pay: every sequence's is looked at
         drafter.first_token[seq_id] = 0.95
-    assert policy.budgets(dict.fromkeys(seqs, 8), 64, 1024)[seqs[4]] > 0
+    assert plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024)[seqs[4]] > 0
     assert drafter.asked == 64
 
 
@@ -469,9 +493,9 @@ def test_a_plan_that_promises_next_to_nothing_is_not_worth_its_trees():
     cost = ForwardCost([1, 64, 128], [0.05, 0.06, 0.064])  # nodes nearly free
     seqs, drafter = known_guesses(dict.fromkeys(range(64), 0.0) | {0: 0.95})
     policy = adaptive_policy(cost)
-    assert set(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == {0}
+    assert set(plan_budgets(policy, dict.fromkeys(seqs, 1), 64, 1024).values()) == {0}
     drafter.first_token |= dict.fromkeys(range(8), 0.95)  # eight of them: 12% more tokens
-    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
 
 
 def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_often():
@@ -481,7 +505,7 @@ def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_ofte
     policy = policy_whose_looks_take(0.01, cost)
     seqs, drafter = known_guesses(dict.fromkeys(range(64), 0.4) | {0: 0.95})  # one guess may pay, alone not enough
     for _ in range(7):
-        assert set(policy.budgets(dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+        assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
     assert drafter.asked == 2 * 64  # looked at the first step and the seventh
 
 
@@ -493,8 +517,8 @@ def test_a_plan_pays_for_the_look_that_found_it():
     cost = ForwardCost([1, 64, 128], [0.05, 0.06, 0.064])
     policy = policy_whose_looks_take(0.15, cost)
     seqs, _ = known_guesses(dict.fromkeys(range(64), 0.0) | dict.fromkeys(range(8), 0.95))
-    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
-    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 64, 1024).values()) == 0
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 1), 64, 1024).values()) == 8
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 1), 64, 1024).values()) == 0
 
 
 def test_nodes_are_priced_by_the_rows_they_add_where_the_matmuls_grow_in_steps():
@@ -510,7 +534,7 @@ def test_nodes_are_priced_by_the_rows_they_add_where_the_matmuls_grow_in_steps()
     assert step.node_seconds(32) == pytest.approx(0.0001)  # the cheapest a node gets
     seqs, _ = known_guesses(dict.fromkeys(range(16), 0.6) | dict.fromkeys(range(16, 32), 0.0))
     policy = adaptive_policy(curve)
-    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 32, 1024).values()) == 8
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 1), 32, 1024).values()) == 8
 
 
 def test_a_token_is_worth_the_decode_time_it_saves_not_a_share_of_a_prefill():
@@ -521,9 +545,10 @@ def test_a_token_is_worth_the_decode_time_it_saves_not_a_share_of_a_prefill():
     curve = ForwardCost([1, 32, 64, 232, 264], [0.015, 0.030, 0.070, 0.080, 0.120])  # 1.25 ms a row past 32 and 232
     policy = adaptive_policy(curve)
     for _ in range(4):
-        policy.observe_step(32, 32, 0, 0.050)
-        policy.observe_step(32, 232, 0, 0.100)
+        observe_step(policy, 32, 32, 0, 0.050)
+        observe_step(policy, 32, 232, 0, 0.100)
     seqs, _ = known_guesses(dict.fromkeys(range(32), 0.6))
-    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 32, 1024).values()) == 0
-    assert sum(policy.budgets(dict.fromkeys(seqs, 1), 232, 1024, num_seqs=32).values()) == 0
-    assert policy.token_seconds == pytest.approx(0.050 / 32)
+    assert sum(plan_budgets(policy, dict.fromkeys(seqs, 1), 32, 1024).values()) == 0
+    prefilling = policy.plan(dict.fromkeys(seqs, 1), StepShape(32, 232), 1024)
+    assert sum(prefilling.budgets.values()) == 0
+    assert prefilling.token_seconds == pytest.approx(0.050 / 32)
