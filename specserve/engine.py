@@ -46,7 +46,7 @@ from specserve.outputs import RequestOutput, completion_output, request_metrics
 from specserve.sampling import SamplingParams, normalized_drafter_spec
 from specserve.scheduler import ScheduledSequence, Scheduler
 from specserve.sequence import Sequence, SpecStats, TokenLogprob
-from specserve.speculation import SpeculationPolicy, StepRecord
+from specserve.speculation import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepRecord
 from specserve.tree import TokenTree
 from specserve.verify import Candidate, Logprob, Verdict, verify_batch
 
@@ -96,7 +96,7 @@ class LLMEngine:
                              f"({per_block} bytes each): raise --kv-cache-memory")
         self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.model.dtype)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
-        self.policy = SpeculationPolicy(adaptive=self.config.speculation == "adaptive")
+        self.policy: SpeculationPolicy = AdaptivePolicy() if self.config.speculation == "adaptive" else FixedPolicy()
         self.scheduler = Scheduler(self.config, self.block_manager, self.policy)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self._draft_target = DraftTarget(self.runner, num_blocks, block_size, model_config.vocab_size, self.model_path)
@@ -306,9 +306,9 @@ class LLMEngine:
 
     def _calibrate(self) -> None:
         """The adaptive policy needs the forward cost curve: cached, or measured once now."""
-        if self.policy.adaptive and self.policy.forward_cost is None:
-            self.policy.forward_cost = load_or_measure(self.runner, self.block_manager,
-                                                       self.config.max_num_batched_tokens, self.model_path)
+        if isinstance(self.policy, AdaptivePolicy) and self.policy.forward_cost is None:
+            self.policy.calibrate(load_or_measure(self.runner, self.block_manager, self.config.max_num_batched_tokens,
+                                                  self.model_path))
 
     def _build_drafter(self, spec: str, at_start: bool) -> Drafter | None:
         """A drafter for `spec`, reusing parts already built. Drafters with K/V of their own (draft

@@ -18,7 +18,7 @@ from specserve.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from specserve.config import EngineConfig
 from specserve.cost_model import decode_keys
 from specserve.sequence import Sequence, SequenceStatus
-from specserve.speculation import SpeculationPolicy, StepShape, TreePlan
+from specserve.speculation import FixedPolicy, SpeculationPolicy, StepShape, TreePlan
 from specserve.tree import TokenTree
 
 
@@ -69,7 +69,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, policy: SpeculationPolicy | None = None):
         self.config = config
         self.blocks = block_manager
-        self.policy = policy or SpeculationPolicy(adaptive=False)  # tree budgets: see specserve.speculation
+        self.policy = policy or FixedPolicy()  # tree budgets: see specserve.speculation
         self.waiting: deque[Sequence] = deque()  # oldest first; preempted sequences go back to the front
         self.running: list[Sequence] = []  # in arrival (seq_id) order
 

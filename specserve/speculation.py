@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -117,20 +118,75 @@ class _DrafterRecord:
     looks: int = 0  # steps whose plan weighed its sequences by their credited acceptance
 
 
-class SpeculationPolicy:
-    """Fixed: every speculating sequence gets its cap. Adaptive: the budgets that maximise rate."""
+class SpeculationPolicy(ABC):
+    """What the scheduler asks of a policy (`plan`) and what the engine tells it (`observe`)."""
 
-    def __init__(self, adaptive: bool, forward_cost: ForwardCost | None = None,
-                 deciding_share: float = DECIDING_SHARE, clock: Callable[[], float] = time.perf_counter):
-        self.adaptive = adaptive
+    @abstractmethod
+    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
+        """Drafted nodes per sequence (each within its cap, all within `max_total`) for a step of
+        `shape` (its decodes speculating or not; its tokens besides the drafted nodes)."""
+
+    def observe(self, record: StepRecord) -> None:  # noqa: B027 - a fixed policy learns nothing
+        """Learn from a step as it ran."""
+
+
+class FixedPolicy(SpeculationPolicy):
+    """Every speculating sequence gets its cap, oldest first, within the step's token budget."""
+
+    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
+        return TreePlan(_caps_within(caps, max_total))
+
+
+def _caps_within(caps: Mapping[Sequence, int], max_total: int) -> dict[Sequence, int]:
+    chosen, left = {}, max_total
+    for seq, cap in caps.items():
+        chosen[seq] = min(cap, left)
+        left -= chosen[seq]
+    return chosen
+
+
+class LookThrottle:
+    """When looking at every sequence's guess is worth its time, per batch bucket: after a look
+    found no plan worth its trees, the next steps decide nothing until looking has cost at most
+    `share` of the steps' time on average (see DECIDING_SHARE)."""
+
+    def __init__(self, share: float = DECIDING_SHARE):
+        self.share = share
+        self._skips: dict[int, int] = {}  # steps left that decide nothing
+        self._seconds: dict[int, float] = {}  # what the last look took
+
+    def skip(self, bucket: int) -> bool:
+        """Whether this step decides nothing (and counts it)."""
+        if self._skips.get(bucket, 0) > 0:
+            self._skips[bucket] -= 1
+            return True
+        return False
+
+    def last_look(self, bucket: int) -> float:
+        return self._seconds.get(bucket, 0.0)
+
+    def looked(self, bucket: int, seconds: float, found: bool, plain_seconds: float) -> None:
+        self._seconds[bucket] = seconds
+        if not found:
+            self._skips[bucket] = int(seconds / (self.share * plain_seconds))
+
+
+class AdaptivePolicy(SpeculationPolicy):
+    """The budgets that maximise the step's expected tokens per second (the module's docstring),
+    once the forward's cost curve is known (`calibrate`); until then, the caps."""
+
+    def __init__(self, forward_cost: ForwardCost | None = None, deciding_share: float = DECIDING_SHARE,
+                 clock: Callable[[], float] = time.perf_counter):
         self.forward_cost = forward_cost
-        self.deciding_share = deciding_share
+        self.throttle = LookThrottle(deciding_share)
         self._clock = clock
         # Per drafter object, dying with it: request-named drafters come and go (the engine's cache is bounded).
         self._drafters: weakref.WeakKeyDictionary[Drafter, _DrafterRecord] = weakref.WeakKeyDictionary()
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
-        self._skips: dict[int, int] = {}  # by batch bucket: steps left that decide nothing (see DECIDING_SHARE)
-        self._look_seconds: dict[int, float] = {}  # by batch bucket: what the last look took
+
+    def calibrate(self, forward_cost: ForwardCost) -> None:
+        """The forward's measured cost curve (`specserve.cost_model.load_or_measure`)."""
+        self.forward_cost = forward_cost
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -169,22 +225,15 @@ class SpeculationPolicy:
     # -- the decision ---------------------------------------------------------------------------
 
     def plan(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
-        """Drafted nodes per sequence (each within its cap, all within `max_total`) for a step of
-        `shape` (its decodes speculating or not; its tokens besides the drafted nodes)."""
-        if not self.adaptive or self.forward_cost is None:
-            chosen, left = {}, max_total
-            for seq, cap in caps.items():
-                chosen[seq] = min(cap, left)
-                left -= chosen[seq]
-            return TreePlan(chosen)
+        if self.forward_cost is None:
+            return TreePlan(_caps_within(caps, max_total))
         return self._best_budgets(caps, shape, max_total)
 
     def _best_budgets(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
         budgets = dict.fromkeys(caps, 0)
         num_seqs, base_tokens, keys = shape.decodes, shape.tokens, shape.keys
         bucket = _bucket(num_seqs)
-        if self._skips.get(bucket, 0) > 0:  # a look found nothing lately: this step decides nothing
-            self._skips[bucket] -= 1
+        if self.throttle.skip(bucket):  # a look found nothing lately: this step decides nothing
             return TreePlan(budgets)
         step_cost = self._step_cost(num_seqs)
         # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
@@ -210,11 +259,9 @@ class SpeculationPolicy:
             return plain
         start = self._clock()
         found = self._best_plan(seqs, caps, max_total, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
-                                node_seconds, plain_rate, self._look_seconds.get(bucket, 0.0))
-        spent = self._clock() - start
-        self._look_seconds[bucket] = spent
-        if found is None:  # looked for nothing: skip the next looks while looking costs too much
-            self._skips[bucket] = int(spent / (self.deciding_share * plain_seconds))
+                                node_seconds, plain_rate, self.throttle.last_look(bucket))
+        self.throttle.looked(bucket, self._clock() - start, found is not None, plain_seconds)
+        if found is None:
             return plain
         rows, rate = found
         for row, count in enumerate(np.bincount(rows, minlength=len(seqs))):

@@ -11,7 +11,7 @@ from specserve.cost_model import ForwardCost, RecentMedian, StepCost, StepFit, c
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence
-from specserve.speculation import SpeculationPolicy, StepRecord, StepShape
+from specserve.speculation import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepRecord, StepShape
 
 
 class NullTokenizer:
@@ -69,7 +69,7 @@ def step_seconds(policy: SpeculationPolicy, num_seqs: int, base_tokens: int, nod
 def adaptive_policy(cost: ForwardCost) -> SpeculationPolicy:
     """The adaptive policy on a clock that stands still: every look is free, so none is skipped
     (the one test of skipping sets its own clock)."""
-    return SpeculationPolicy(adaptive=True, forward_cost=cost, clock=lambda: 0.0)
+    return AdaptivePolicy(cost, clock=lambda: 0.0)
 
 
 FLAT = ForwardCost([1, 64, 512], [0.050, 0.060, 0.400])  # rows nearly free up to 64 (a CPU at batch 1)
@@ -390,7 +390,7 @@ def test_a_drafter_judged_on_one_unlucky_step_is_tried_again_after_a_while():
 
 
 def test_fixed_budgets_are_the_caps_within_the_token_budget():
-    policy = SpeculationPolicy(adaptive=False)
+    policy = FixedPolicy()
     a, b, c = decoding(0), decoding(1), decoding(2)
     assert plan_budgets(policy, {a: 8, b: 8, c: 8}, base_tokens=3, max_total=12) == {a: 8, b: 4, c: 0}
 
@@ -452,7 +452,7 @@ def policy_whose_looks_take(share: float, cost: ForwardCost) -> SpeculationPolic
         now[0] += share * cost(64)
         return now[0]
 
-    return SpeculationPolicy(adaptive=True, forward_cost=cost, clock=clock)
+    return AdaptivePolicy(cost, clock=clock)
 
 
 def test_a_busy_step_verifies_just_the_guesses_its_drafter_is_confident_of():
