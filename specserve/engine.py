@@ -36,8 +36,8 @@ from drafters import (
 )
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
+from specserve.calibration import load_or_measure
 from specserve.config import EngineConfig
-from specserve.cost_model import load_or_measure
 from specserve.detokenizer import TextStream, load_tokenizer
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ForwardResult, ModelRunner, RequestRows, TreeRequest

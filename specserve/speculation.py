@@ -185,7 +185,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self._step_costs: dict[int, StepCost] = {}  # by batch bucket (`_bucket` of the decoding sequences)
 
     def calibrate(self, forward_cost: ForwardCost) -> None:
-        """The forward's measured cost curve (`specserve.cost_model.load_or_measure`)."""
+        """The forward's measured cost curve (`specserve.calibration.load_or_measure`)."""
         self.forward_cost = forward_cost
 
     # -- measurements -------------------------------------------------------------------------

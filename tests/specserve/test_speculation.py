@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from drafters.ngram import NgramDrafter
-from specserve.cost_model import ForwardCost, RecentMedian, StepCost, StepFit, calibration_sizes
+from specserve.calibration import calibration_sizes
+from specserve.cost_model import ForwardCost, RecentMedian, StepCost, StepFit
 from specserve.detokenizer import TextStream
 from specserve.sampling import SamplingParams
 from specserve.sequence import Sequence

@@ -368,18 +368,18 @@ def test_speculation_off_is_the_plain_engine(small_vocab_model):
 
 
 def test_adaptive_speculation_calibrates_once_per_machine(small_vocab_model, tmp_path, monkeypatch):
-    from specserve import cost_model
+    from specserve import calibration
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     engine = make_engine(small_vocab_model, draft="ngram", speculation="adaptive", max_num_batched_tokens=64)
     cost = engine.policy.forward_cost
-    assert cost is not None and cost.sizes == cost_model.calibration_sizes(64) and all(t > 0 for t in cost.seconds)
+    assert cost is not None and cost.sizes == calibration.calibration_sizes(64) and all(t > 0 for t in cost.seconds)
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("the cached curve should have been used")
 
-    monkeypatch.setattr(cost_model, "measure", no_measuring)
+    monkeypatch.setattr(calibration, "measure", no_measuring)
     again = make_engine(small_vocab_model, draft="ngram", speculation="adaptive", max_num_batched_tokens=64)
     assert again.policy.forward_cost.seconds == cost.seconds
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

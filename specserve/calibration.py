@@ -1,0 +1,117 @@
+"""Measuring what a target forward of N tokens costs on this machine, once, and caching it.
+
+Speculation trades forward size for tokens: a verification tree adds rows to the step's
+forward, and whether that pays depends on how the forward's time grows with its rows, which
+differs by model, dtype and machine (on a 2-core CPU, 32 rows of SmolLM2 in bf16 cost about
+one decode step; on a big batch each extra row costs real time). So the engine times a
+forward of N tokens (after a 128-token context) at start-up, caches the table under the user
+cache dir, and the speculation policy interpolates between sizes (`cost_model.ForwardCost`)
+and corrects the curve with measured steps.
+
+The sizes are dense (every DENSE_STEP tokens) where a busy batch's decodes and their trees sit:
+a CPU's matmuls do not grow smoothly with their rows but in steps (oneDNN's register blocking: on
+a 2-core AVX-512 machine, 32 to 40 rows of SmolLM2 cost 0.2 ms per row per step, 40 to 44 rows 1.3
+ms per row, 44 to 48 nothing), so a handful of nodes on top of 32 decodes may cost a fifth of a
+token each, and a few more, a whole token each. Doubling sizes (32, 64) would price every node at
+the average and miss both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.block_manager import BlockManager, BlockTable
+from specserve.cost_model import DENSE_STEP, DENSE_UNTIL, ForwardCost
+from specserve.model_runner import ModelRunner, TreeRequest
+from specserve.tree import TokenTree
+
+CALIBRATION_CONTEXT = 128
+REPEATS = 3  # timed passes over all sizes (after one warm-up pass); the median per size
+
+
+def calibration_sizes(max_tokens: int) -> list[int]:
+    """1, 2, 4, then every DENSE_STEP up to DENSE_UNTIL, then doubling, and `max_tokens`."""
+    dense = range(2 * DENSE_STEP, DENSE_UNTIL + 1, DENSE_STEP)
+    sizes, n = sorted({1, 2, DENSE_STEP, *dense}), DENSE_UNTIL * 2
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return [*(size for size in sizes if size < max_tokens), max_tokens]
+
+
+def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress: bool = False) -> ForwardCost:
+    """Time forwards of `calibration_sizes(max_tokens)` new tokens after a short context, in
+    scratch blocks given back afterwards: a warm-up pass over every size, then `REPEATS` timed
+    passes (the median per size). Passes, not one size after another: a machine that slows
+    for a few seconds then slows one pass, not a few neighbouring sizes, which would put a false
+    step into the curve."""
+    sizes = calibration_sizes(max_tokens)
+    capacity = blocks.num_free_blocks * blocks.block_size
+    context = min(CALIBRATION_CONTEXT, max(0, capacity - sizes[-1]))
+    sizes = [n for n in sizes if context + n <= capacity] or [1]
+    table = BlockTable()
+    blocks.ensure_slots(table, context + sizes[-1])
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    try:
+        for step in _progress(range((REPEATS + 1) * len(sizes)), progress):
+            n = sizes[step % len(sizes)]
+            request = TreeRequest(TokenTree.chain([0] * n), context, table.block_ids, "last")
+            start = time.perf_counter()
+            runner.forward([request])
+            if step >= len(sizes):  # the first pass warms up
+                times[n].append(time.perf_counter() - start)
+    finally:
+        blocks.free(table)
+    return ForwardCost(sizes, [statistics.median(times[n]) for n in sizes])
+
+
+def load_or_measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, model_path: Path,
+                    cache: Path | None = None) -> ForwardCost:
+    """The cached table for this model, dtype and machine, or a fresh measurement (then cached)."""
+    file = _cache_file(runner, model_path, max_tokens, cache)
+    if file.exists():
+        try:
+            data = json.loads(file.read_text())
+            return ForwardCost(list(data["sizes"]), list(data["seconds"]))
+        except (ValueError, KeyError):
+            pass  # a damaged cache entry: measure again
+    cost = measure(runner, blocks, max_tokens, progress=True)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    temporary = file.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(cost.to_json()))
+    temporary.replace(file)
+    return cost
+
+
+def _cache_file(runner: ModelRunner, model_path: Path, max_tokens: int, cache: Path | None) -> Path:
+    from kernels import native
+    from specserve.machine import processor_name
+    from specserve.pull import GGUF_FILE, cache_dir
+
+    weights = sorted(Path(model_path).glob("*.safetensors")) + sorted(Path(model_path).glob(GGUF_FILE))
+    key = json.dumps({
+        "model": str(Path(model_path).resolve()),
+        "weights": [(w.name, w.stat().st_size, int(w.stat().st_mtime)) for w in weights],
+        "format": runner.model.weight_format(), "kernels": native.build_key(),
+        "dtype": str(runner.model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": platform.machine(), "processor": processor_name(), "cpus": os.cpu_count(),
+        "block_size": runner.block_size, "max_tokens": max_tokens, "sizes": calibration_sizes(max_tokens),
+    }, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return (cache or cache_dir()) / "costs" / f"{Path(model_path).name}-{digest}.json"
+
+
+def _progress(steps: range, show: bool):
+    if not show:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="calibrating forward cost", unit="forward", leave=False)
