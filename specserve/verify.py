@@ -152,7 +152,7 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
     batch = _Batch.build(candidates, logits.device)
     scores = logits.float()
     if batch.penalized:
-        at = batch.index(batch.penalized)
+        at = batch.tensor(batch.penalized)
         scores = scores.index_copy(0, at, penalize(scores[at], [batch.rows[u] for u in batch.penalized]))
     n = len(batch.tokens)
     # read 1 brings these back, each n long but "top" (k per logprob node)
@@ -171,7 +171,7 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
         if "decision" in parts:
             decision = parts["decision"]
             emitted = torch.where(decision >= 0, batch.tensor(batch.tokens)[decision.clamp(min=0)], emitted)
-        at = batch.index(batch.logprob_nodes)
+        at = batch.tensor(batch.logprob_nodes)
         logprobs = torch.log_softmax(logits[at].float(), dim=-1)
         top = torch.topk(logprobs, batch.top_k, dim=-1)
         parts["top"] = top.indices.flatten()
@@ -186,7 +186,7 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
 def _greedy(batch: _Batch, scores: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
     """The greedy candidates' nodes' (penalised) argmax, in `parts["bonus"]`: the host's walk
     accepts a node's first child equal to it and adds it where none is (`_Batch.walk`)."""
-    at = None if len(batch.greedy) == len(batch.tokens) else batch.index(batch.greedy)
+    at = None if len(batch.greedy) == len(batch.tokens) else batch.tensor(batch.greedy)
     rows = scores if at is None else scores[at]
     where = slice(None) if at is None else at
     if "finite" in parts:
@@ -219,7 +219,6 @@ class _Batch:
     draft_rows: dict[int, torch.Tensor]  # the draft distribution a node's children were sampled from
     logprobs_wanted: list[int]  # per candidate (0: none)
 
-
     @classmethod
     def build(cls, candidates: Sequence[Candidate], device: torch.device) -> _Batch:
         batch = cls(device, [], [], [], {}, [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
@@ -246,10 +245,8 @@ class _Batch:
         return batch
 
     def tensor(self, values: Sequence[int]) -> torch.Tensor:
+        """Host integers (node indices, tokens) as a tensor on the logits' device."""
         return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-    def index(self, nodes: Sequence[int]) -> torch.Tensor:
-        return self.tensor(nodes)
 
     @property
     def top_k(self) -> int:
@@ -305,11 +302,11 @@ def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor
     nodes_of_walks = [u for b in walks for u in range(batch.offsets[b], batch.offsets[b] + len(candidates[b].tree))]
     table = _ChildTable.build(batch, nodes_of_walks, width, scores.device)
     edge_u, bonus_u = _uniforms(batch, candidates)
-    current = batch.index([batch.offsets[b] for b in walks])
+    current = batch.tensor([batch.offsets[b] for b in walks])
     done = torch.zeros(len(walks), dtype=torch.bool, device=scores.device)
     for level in range(max(depth)):  # at the deepest level every node is a leaf
         alive = [i for i, d in enumerate(depth) if d > level]  # a shallower tree's walk has surely stopped
-        at = batch.index(alive)
+        at = batch.tensor(alive)
         nodes = current[at]
         p = filter_rows(scores[nodes], [params[i] for i in alive]).softmax(-1)
         finite[nodes] = torch.isfinite(p.sum(-1)).to(torch.int64)  # NaN for any NaN or +inf logit
