@@ -181,34 +181,28 @@ def penalize(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     parameters and history; rows without penalties are left as they are (returns a new tensor).
     The index lists are built on the host from the histories: no read from the device."""
     scores = scores.clone()
-    repeat: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, token, penalty
-    counted: tuple[list[int], list[int], list[float], list[float], list[float]] = ([], [], [], [], [])
+    repeat: list[tuple[int, int, float]] = []  # row, token, penalty
+    counted: list[tuple[int, int, int, float, float]] = []  # row, token, count, frequency, presence
     for i, row in enumerate(rows):
         p = row.params
         if p.repetition_penalty != 1:
-            seen = sorted(set(row.prompt_ids) | set(row.output_ids))
-            repeat[0].extend([i] * len(seen))
-            repeat[1].extend(seen)
-            repeat[2].extend([p.repetition_penalty] * len(seen))
+            repeat += [(i, t, p.repetition_penalty) for t in sorted(set(row.prompt_ids) | set(row.output_ids))]
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = Counter(row.output_ids)
-            for column, values in zip(counted, ([i] * len(counts), list(counts), list(counts.values()),
-                                                [p.frequency_penalty] * len(counts),
-                                                [p.presence_penalty] * len(counts)), strict=True):
-                column.extend(values)
-    if repeat[0]:
-        at = _indices(scores, repeat[0], repeat[1])
-        penalty = torch.tensor(repeat[2], dtype=scores.dtype, device=scores.device)
+            counted += [(i, t, n, p.frequency_penalty, p.presence_penalty) for t, n in Counter(row.output_ids).items()]
+    if repeat:
+        row_of, token, penalties = zip(*repeat, strict=True)
+        at = _indices(scores, row_of, token)
+        penalty = torch.tensor(penalties, dtype=scores.dtype, device=scores.device)
         values = scores[at]
         scores[at] = torch.where(values > 0, values / penalty, values * penalty)
-    if counted[0]:
-        at = _indices(scores, counted[0], counted[1])
-        count, frequency, presence = (torch.tensor(c, dtype=scores.dtype, device=scores.device) for c in counted[2:])
-        scores[at] -= frequency * count + presence
+    if counted:
+        row_of, token, *amounts = zip(*counted, strict=True)
+        count, frequency, presence = (torch.tensor(a, dtype=scores.dtype, device=scores.device) for a in amounts)
+        scores[_indices(scores, row_of, token)] -= frequency * count + presence
     return scores
 
 
-def _indices(scores: torch.Tensor, rows: list[int], columns: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _indices(scores: torch.Tensor, rows: Sequence[int], columns: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.tensor(rows, dtype=torch.int64, device=scores.device),
             torch.tensor(columns, dtype=torch.int64, device=scores.device))
 

@@ -46,7 +46,7 @@ def step_shape(scheduled: list[ScheduledSequence]) -> StepShape:
     sequences' next tokens; prompt chunks, admitted ones included, count as tokens."""
     decodes = [s for s in scheduled if s.decode]
     return StepShape(len(decodes), sum(s.num_tokens for s in scheduled),
-                     decode_keys([s.context_len + 1 for s in decodes]))
+                     decode_keys([s.seq.num_tokens for s in decodes]))
 
 
 @dataclass
