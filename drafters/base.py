@@ -24,10 +24,10 @@ class DraftRequest:
 
     seq_id: int  # stable for the sequence's life: drafters may keep per-sequence state under it
     token_ids: Sequence[int]  # prompt + output; the last token is the tree's root (not yet in the cache)
-    max_nodes: int  # drafted nodes allowed besides the root
+    tree_budget: int  # drafted nodes allowed besides the root
     max_depth: int  # longest root-to-leaf run of drafted nodes
     # Where the sequence's K/V live: node i of the tree goes to slot len(token_ids) - 1 + i, and
-    # the scheduler reserved slots up to len(token_ids) - 1 + max_nodes (drafters with a cache use them).
+    # the scheduler reserved slots up to len(token_ids) - 1 + tree_budget (drafters with a cache use them).
     block_table: Sequence[int] = ()
     temperature: float = 0.0  # the request's: 0 means propose deterministically (greedy verification)
     generator: torch.Generator | None = None  # the request's, so seeded requests stay reproducible
@@ -55,50 +55,81 @@ class Draft:
 
 
 class Drafter(ABC):
-    """Proposes token trees. Implementations: n-gram lookup, draft models, early exit, merges."""
+    """Proposes token trees. Implementations: n-gram lookup, draft models, early exit, heads, merges.
+
+    The interface is `propose` and `release`; what else a drafter does, it says by the small
+    protocols below (`UsesTarget`, `OwnsKV`, `Observes`, `Estimates`), which the engine and the
+    speculation policy look for."""
 
     spec: str  # the spec string that builds this drafter (see `drafters.spec`)
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """One draft per request, within each request's `max_nodes` and `max_depth`."""
+        """One draft per request, within each request's `tree_budget` and `max_depth`."""
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - stateless drafters need nothing
         """Forget per-sequence state (the sequence finished, was aborted or was preempted)."""
 
+
+class UsesTarget(ABC):
+    """Drafts with the target's runner or pool (early exit, draft models, heads)."""
+
+    @abstractmethod
+    def attach(self, target: DraftTarget) -> None:
+        """Called once by the engine when its KV pool exists, before the first `propose`."""
+
+
+class OwnsKV(UsesTarget):
+    """Keeps K/V of its own, indexed by the shared block tables (the pool is sized with them)."""
+
+    @abstractmethod
+    def kv_bytes_per_block(self, block_size: int, target: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of the drafter's K/V per block, for a target of that shape and dtype."""
+
+
+@dataclass
+class Commit:
+    """What one sequence committed in a step, as a drafter that learns from it sees it."""
+
+    seq_id: int
+    token_ids: Sequence[int]  # prompt + output after the step: the last is the next step's root
+    position: int  # the first committed row (the step's chunk, or its tree's root)
+    hidden: dict[int, torch.Tensor]  # the target's states of the committed rows, as `hidden_wanted` asks
+
+
+class Observes(ABC):
+    """Learns from what the target commits: n-gram lookup from the tokens (it scores its own
+    guesses), heads from the target's hidden states. The only place a drafter learns."""
+
+    def hidden_wanted(self) -> tuple[int, ...]:
+        """The target's hidden states it reads (layer boundaries, as `ForwardOutput.hidden` names them)."""
+        return ()
+
+    @abstractmethod
+    def observe(self, commit: Commit) -> None:
+        """A sequence's step is final (called for every sequence it drafts for, each step)."""
+
+
+class Estimates:
+    """Knows, before drafting, what its proposals are worth or cost. Read-only: the speculation
+    policy asks while planning, and asking changes nothing."""
+
     def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> Sequence[float] | None:
-        """What this drafter's proposal for the sequence would be worth now, if it can tell before
-        drafting: P(its first k drafted tokens are all accepted), k = 1..max_depth (zeros: it has
-        nothing to propose). None: no estimate of its own; the policy goes by the sequence's
-        measured acceptance. Called once a step for every sequence that may speculate."""
+        """What its proposal for the sequence would be worth now: P(its first k drafted tokens
+        are all accepted), k = 1..max_depth (zeros: it has nothing to propose). None: no
+        estimate of its own; the policy goes by the sequence's measured acceptance."""
         return None
 
     def acceptance_bound(self) -> float | None:
         """At most what the first drafted token of any of its proposals is worth now, by its
-        `acceptance_profile` (None: it has no estimate of its own). A busy step where not even
-        that would pay for a node is decided without asking for every sequence's profile."""
+        `acceptance_profile` (None: no estimate). A busy step where not even that would pay for
+        a node is decided without asking for every sequence's profile."""
         return None
 
-    def step_cost(self, max_nodes: int) -> float:
-        """Seconds this drafter expects to spend on a step whose largest tree has `max_nodes`
-        drafted nodes (the speculation policy weighs it against the tokens it buys)."""
+    def step_cost(self, tree_budget: int) -> float:
+        """Seconds it expects to spend on a step whose largest tree has `tree_budget` drafted
+        nodes (the policy weighs it against the tokens it buys)."""
         return 0.0
-
-    def kv_bytes_per_block(self, block_size: int, target: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes of the drafter's own K/V per block of the shared block tables (0: it has none),
-        for a target of that shape and dtype."""
-        return 0
-
-    def hidden_wanted(self) -> tuple[int, ...]:
-        """The target's hidden states this drafter reads (layer boundaries, as `ForwardOutput.hidden`
-        names them); the engine then passes them for every committed token to `observe`."""
-        return ()
-
-    def observe(self, seq_id: int, position: int, hidden: dict[int, torch.Tensor]) -> None:  # noqa: B027
-        """The target's hidden states of a sequence's newly committed tokens, from `position` on."""
-
-    def attach(self, target: DraftTarget) -> None:  # noqa: B027 - drafters without weights need nothing
-        """Called once by the engine when its KV pool exists, before the first `propose`."""
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from drafters.base import DraftTarget
+from drafters.base import DraftTarget, OwnsKV
 from drafters.tree_search import TreeSearchDrafter, _Search
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
@@ -24,7 +24,7 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.tree import TokenTree
 
 
-class DraftModelDrafter(TreeSearchDrafter):
+class DraftModelDrafter(TreeSearchDrafter, OwnsKV):
     def __init__(self, model: LlamaForCausalLM, spec: str, top_k: int = 4, beam: int = 4):
         super().__init__(top_k, beam)
         self.model, self.spec = model, spec
@@ -104,8 +104,7 @@ class DraftModelDrafter(TreeSearchDrafter):
                 break
             done += 1
         self._computed[request.seq_id] = total
-        chain = [min(int(t), limit) for t in request.token_ids[done:]]
-        return TreeRequest(TokenTree.chain(chain), done, request.block_table, "last")
+        return search.catch_up(done, "last", limit)
 
     def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:
         return [o.logits for o in self.runner.forward([self._tree_request(s) for s in searches])]

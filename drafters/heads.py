@@ -1,27 +1,9 @@
 """Trained drafter heads: an early-exit head and an EAGLE-style feature head.
 
-Both are one decoder layer of the target's shape, trained by `specserve train-drafter`
-(`specserve.training`) on the target's own hidden states, with K/V of their own in a
-one-layer cache indexed by the shared block tables. Each scores a *draft vocabulary* (the
-tokens most frequent in the target's answers) through the rows of the target's frozen LM
-head it needs: a fraction of the full head's cost (FR-Spec). A rare token is never drafted;
-verification stays exact either way.
-
-* feature head (EAGLE): row i takes `fc([f_{i-1}; embed(x_i)])`, f the target's final-normed
-  hidden state (what its LM head reads), and predicts f_i; `lm_head(f_i)` guesses x_{i+1}.
-  Committed rows use the target's true f; a drafted node uses the feature its parent's row
-  predicted, so drafting autoregresses on the head's own features.
-* early-exit head: the target's first K layers, then the head layer in place of the rest,
-  then the target's norm and LM head. Committed rows take the residual stream the target's
-  own forwards computed entering layer K; drafted nodes run the first K layers (writing the
-  target's K/V of those layers at tree slots, which verification rewrites).
-
-The engine hands a head the target's hidden states of every committed token
-(`Drafter.observe`); a step's first round catches the head's cache up on the tokens
-committed since its last draft (the accepted run and the bonus token, or a prompt), ending at
-the root, and later rounds grow the tree as `drafters.tree_search` does. Prompt tokens found
-in the prefix cache have no hidden states: their head K/V are those the blocks' first owner
-wrote, which are the same wherever that owner drafted with this head.
+Both are one decoder layer of the target's shape, trained by `specserve train-drafter` on the
+target's hidden states (which the engine hands them with every commit), with a one-layer cache
+of their own and a draft vocabulary scored through rows of the target's LM head. How each
+drafts: docs/design.md.
 
 A head lives in a directory: `head.json` (`HeadConfig`: kind, the target it belongs to and
 its fingerprint, how it was trained) and `head.safetensors` (`layer.*` in Hugging Face names,
@@ -38,9 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafters.base import DraftTarget
+from drafters.base import Commit, DraftTarget, Observes, OwnsKV
 from drafters.tree_search import TreeSearchDrafter, _Search
-from kernels.metadata import AttentionMetadata
 from specserve.kv_cache import KVCache
 from specserve.model_runner import TreeRequest
 from specserve.models.config import ModelConfig
@@ -156,7 +137,7 @@ class _SeqState:
         return rows[first - (self.start - keep): stop - (self.start - keep)]
 
 
-class HeadDrafter(TreeSearchDrafter):
+class HeadDrafter(TreeSearchDrafter, OwnsKV, Observes):
     """What both head kinds share: the checkpoint, the one-layer cache, the draft vocabulary,
     and the per-sequence bookkeeping of hidden states."""
 
@@ -207,14 +188,14 @@ class HeadDrafter(TreeSearchDrafter):
     def hidden_wanted(self) -> tuple[int, ...]:
         return (self.config.layer,) if self.config is not None else ()
 
-    def observe(self, seq_id: int, position: int, hidden: dict[int, torch.Tensor]) -> None:
-        if self.config is not None and self.config.layer in hidden:
-            self._seqs.setdefault(seq_id, _SeqState()).add(position, hidden[self.config.layer])
+    def observe(self, commit: Commit) -> None:
+        if self.config is not None and self.config.layer in commit.hidden:
+            self._seqs.setdefault(commit.seq_id, _SeqState()).add(commit.position, commit.hidden[self.config.layer])
 
     def release(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
-    def _catch_up(self, search: _Search) -> tuple[int, _SeqState]:
+    def _resume(self, search: _Search) -> tuple[int, _SeqState]:
         """The first row to recompute this step, and the hidden states its rows up to the root read."""
         length = len(search.request.token_ids)
         state = self._seqs.setdefault(search.request.seq_id, _SeqState())
@@ -230,11 +211,7 @@ class HeadDrafter(TreeSearchDrafter):
     # -- running the head --------------------------------------------------------------------
 
     def _run_layer(self, requests: list[TreeRequest], x: torch.Tensor) -> torch.Tensor:
-        meta = AttentionMetadata.build([r.tree for r in requests], [r.context_len for r in requests],
-                                       [r.block_table for r in requests], self.cache.block_size)
-        cos, sin = self.target.rotary(meta.positions)
-        out, delta = self.layer(x, None, cos, sin, self.cache, meta)
-        return out + delta
+        return self.target_runner.run_layer(self.layer, self.cache, requests, x)
 
     def _score(self, normed: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (-inf off the draft vocabulary) of head outputs."""
@@ -258,13 +235,13 @@ class FeatureHeadDrafter(HeadDrafter):
             request = search.request
             length = len(request.token_ids)
             if search.rounds == 0:  # catch up, ending at the root
-                first, state = self._catch_up(search)
+                first, state = self._resume(search)
                 inputs = state.take(max(first - 1, 0), length - 1)
                 if first == 0:  # the first row has no feature before it
                     inputs = torch.cat([inputs.new_zeros(1, inputs.shape[1]), inputs])
                 search.node_input = {0: inputs[-1]}
                 nodes = [0]
-                requests.append(TreeRequest(TokenTree.chain(request.token_ids[first:]), first, request.block_table))
+                requests.append(search.catch_up(first))
                 features.append(inputs)
                 tokens.extend(request.token_ids[first:])
                 wanted.append([len(inputs) - 1])
@@ -311,10 +288,7 @@ class EarlyExitHeadDrafter(HeadDrafter):
             else:
                 tree, rows = search.forward_tree()
             target_requests.append(TreeRequest(tree, len(request.token_ids) - 1, request.block_table, rows))
-        meta = AttentionMetadata.build([r.tree for r in target_requests], [r.context_len for r in target_requests],
-                                       [r.block_table for r in target_requests], self.target_runner.block_size)
-        ids = torch.tensor([t for r in target_requests for t in r.tree.tokens], dtype=torch.int64)
-        x = self.target.run_layers(ids, meta, self.target_runner.kv_cache, self.config.layer)
+        x = self.target_runner.run_layers(target_requests, self.config.layer)
         # The head layer: round 0 catches up on committed rows (the target's own states) first.
         head_requests, inputs, wanted, start = [], [], [], 0
         for search, target_request in zip(searches, target_requests, strict=True):
@@ -322,12 +296,11 @@ class EarlyExitHeadDrafter(HeadDrafter):
             start += len(target_request.tree)
             request = search.request
             if search.rounds == 0:
-                first, state = self._catch_up(search)
+                first, state = self._resume(search)
                 length = len(request.token_ids)
                 committed = state.take(first, length - 1) if first < length - 1 else mine[:0]
                 inputs.append(torch.cat([committed.to(mine.dtype), mine]))
-                head_requests.append(TreeRequest(TokenTree.chain(request.token_ids[first:]), first,
-                                                 request.block_table))
+                head_requests.append(search.catch_up(first))
                 wanted.append([len(committed)])
             else:
                 inputs.append(mine)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from drafters.base import Draft, Drafter, DraftRequest
+from drafters.base import Commit, Draft, Drafter, DraftRequest, Estimates, Observes
 from specserve.tree import TokenTree
 
 
-class MergedDrafter(Drafter):
+class MergedDrafter(Drafter, Observes, Estimates):
     """Each drafter proposes within the whole budget; root-to-leaf paths are then merged in
     drafter order (the first drafter's tree is kept whole) until the budget is spent.
 
@@ -30,7 +28,7 @@ class MergedDrafter(Drafter):
         for i, request in enumerate(requests):
             paths = [tree_paths(p[i].tree) for p in proposals]
             tree = TokenTree.from_paths(request.token_ids[-1], [q for ps in paths for q in ps],
-                                        max_nodes=request.max_nodes)
+                                        tree_budget=request.tree_budget)
             merged.append(Draft(tree))
         return merged
 
@@ -39,14 +37,15 @@ class MergedDrafter(Drafter):
             drafter.release(seq_id)
 
     def hidden_wanted(self) -> tuple[int, ...]:
-        return tuple(sorted({k for d in self.drafters for k in d.hidden_wanted()}))
+        return tuple(sorted({k for d in self.drafters if isinstance(d, Observes) for k in d.hidden_wanted()}))
 
-    def observe(self, seq_id: int, position: int, hidden: dict[int, torch.Tensor]) -> None:
+    def observe(self, commit: Commit) -> None:
         for drafter in self.drafters:
-            drafter.observe(seq_id, position, hidden)
+            if isinstance(drafter, Observes):
+                drafter.observe(commit)
 
-    def step_cost(self, max_nodes: int) -> float:
-        return sum(d.step_cost(max_nodes) for d in self.drafters)
+    def step_cost(self, tree_budget: int) -> float:
+        return sum(d.step_cost(tree_budget) for d in self.drafters if isinstance(d, Estimates))
 
 
 def tree_paths(tree: TokenTree) -> list[list[int]]:

@@ -1,21 +1,9 @@
 """Prompt lookup: propose what followed earlier occurrences of the sequence's last n tokens.
 
-No weights. Generated text often repeats its prompt or itself (code, quotes, lists, names),
-and wherever it does, the continuation after the last match is a good guess. Matches are
-looked up longest n-gram first, by searching the sequence's tokens, kept per sequence as bytes
-(4 per token) and extended incrementally, with `bytes.rfind`: a few searches in C per sequence
-and look, however many tokens came since its last look (a dictionary of every n-gram had to
-index each of them first, in Python: most of a busy server's look, where looks are spaced
-out). The most recent matches come first; several distinct continuations become a tree
-(shared prefixes merged).
-
-How good a guess is depends on the match, and that is known before anything is verified:
-on Spec-Bench with SmolLM2, the next token follows a 3-token match several times as often as
-a 1-token match, and more often still where the latest matches agree. So the drafter keeps score of
-its own guesses by kind of match, checking each against the tokens the sequence went on to
-emit, verified or not (a guess costs a few searches, so it is made at every look), and
-tells the speculation policy what the current guess is worth (`acceptance_profile`). A busy
-server then verifies just the few confident guesses instead of none or all.
+No weights: the sequence's tokens, as bytes, searched with `bytes.rfind`, longest n-gram
+first. At every commit (`observe`) it scores its open guesses by kind of match and makes the
+next one; the speculation policy reads what that guess is worth (`acceptance_profile`) and
+changes nothing by asking. Why: docs/design.md.
 """
 
 from __future__ import annotations
@@ -25,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
-from drafters.base import Draft, Drafter, DraftRequest
+from drafters.base import Commit, Draft, Drafter, DraftRequest, Estimates, Observes
 from specserve.tree import TokenTree
 
 GUESS_DEPTH = 16  # tokens of the best match's continuation kept score of
@@ -135,7 +123,7 @@ class _Scores:
         self._profiles.pop(kind, None)
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(Drafter, Observes, Estimates):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes need 1 <= min ({min_ngram}) <= max ({max_ngram})")
@@ -148,9 +136,17 @@ class NgramDrafter(Drafter):
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self._propose(r) for r in requests]
 
+    def observe(self, commit: Commit) -> None:
+        self._update(commit.seq_id, commit.token_ids)
+
     def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> list[float]:
-        index = self._update(seq_id, token_ids)
-        guess = index.guesses[-1] if index.guesses and index.guesses[-1].at == len(token_ids) else None
+        index = self._indexes.get(seq_id)
+        if index is not None and index.indexed == len(token_ids):  # its guess was made at the commit
+            guess = index.guesses[-1] if index.guesses and index.guesses[-1].at == len(token_ids) else None
+        else:  # not observed up to here: what the guess would be, from a throwaway index
+            fresh = _Index()
+            fresh.extend(token_ids)
+            guess = self._guess(fresh, token_ids)
         if guess is None:
             return [0.0] * max_depth
         return self._scores.profile(guess.kind, max_depth)
@@ -172,14 +168,21 @@ class NgramDrafter(Drafter):
             return index  # this step's guess is made already
         index.extend(tokens)
         index.guesses = [g for g in index.guesses if not self._scores.score(g, tokens[g.at :])]
-        match = self._best_match(index)
-        if match is not None:
-            n, starts = match
-            recent = list(islice(starts, RECENT))
-            agreeing = sum(tokens[s] == tokens[recent[0]] for s in recent)
-            kind = (n - self.sizes.start) * AGREEMENT + min(agreeing, AGREEMENT) - 1
-            index.guesses.append(_Guess(kind, len(tokens), list(tokens[recent[0] : recent[0] + GUESS_DEPTH])))
+        guess = self._guess(index, tokens)
+        if guess is not None:
+            index.guesses.append(guess)
         return index
+
+    def _guess(self, index: _Index, tokens: Sequence[int]) -> _Guess | None:
+        """The best match's continuation, by kind of match (None: no match)."""
+        match = self._best_match(index)
+        if match is None:
+            return None
+        n, starts = match
+        recent = list(islice(starts, RECENT))
+        agreeing = sum(tokens[s] == tokens[recent[0]] for s in recent)
+        kind = (n - self.sizes.start) * AGREEMENT + min(agreeing, AGREEMENT) - 1
+        return _Guess(kind, len(tokens), list(tokens[recent[0] : recent[0] + GUESS_DEPTH]))
 
     def _matches(self, index: _Index) -> Iterator[tuple[int, Iterator[int]]]:
         """Every n-gram ending the sequence that occurred before, longest first: (n, where each
@@ -198,7 +201,7 @@ class NgramDrafter(Drafter):
         tokens = request.token_ids
         index = self._update(request.seq_id, tokens)
         paths = self._continuations(tokens, index, request.max_depth)
-        budget = request.max_nodes
+        budget = request.tree_budget
         if len(paths) > 1 and budget < MIN_TREE_BUDGET and request.temperature == 0:
             # A small budget is a busy step's, priced by the policy as the best match's chain:
             # under greedy verification its next tokens are worth more than other matches' first
@@ -210,7 +213,7 @@ class NgramDrafter(Drafter):
             # The best match runs deepest, but not so deep that no alternative gets a node: at
             # least half the budget for it, the rest for the other matches' first tokens onwards.
             paths[0] = paths[0][: max(-(-budget // 2), budget - (len(paths) - 1))]
-        return Draft(TokenTree.from_paths(tokens[-1], paths, max_nodes=budget))
+        return Draft(TokenTree.from_paths(tokens[-1], paths, tree_budget=budget))
 
     def _continuations(self, tokens: Sequence[int], index: _Index, depth: int) -> list[list[int]]:
         """Distinct continuations of the longest matching n-grams, most recent match first."""

@@ -1,30 +1,8 @@
 """Drafting with a language model: grow each request's tree best-first by draft probability.
 
-One draft forward per round serves every request of the step. A round runs each request's
-*frontier* (the nodes chosen for expansion) and their children become candidates. Nodes are
-ranked by cumulative draft log-probability, the chance that the whole path from the root is
-right if the draft were the target. So a confident draft grows a deep chain and an unsure
-one a bushy tree, within the step's node budget: EAGLE-2's dynamic tree.
-
-Losslessness asks different things of the two modes:
-
-* deterministic (greedy requests), EAGLE-2's dynamic tree: every expanded node's top-k
-  children become candidates; each round expands the likeliest `beam` of the newest children
-  (skipping those a tenth as likely as the best, so a confident draft grows a chain), and the
-  draft is the best `max_nodes` candidates of all rounds. So a round's forward buys up to
-  beam * top_k candidates, and the tree can be much wider than the rounds it took. A round
-  runs only while its expected accepted tokens are worth its time at the step's going rate
-  (`DraftRequest.token_seconds`, from the speculation policy). Verification treats every
-  child as a point-mass proposal, which is lossless whatever chose it.
-* sampled (T > 0): a node's children are drawn from the draft distribution q without
-  replacement and kept in draw order, as many as the budget allows. Verification relies on
-  them being exactly such a draw, so which children are kept must not depend on their
-  values; only the choice of which nodes to expand is best-first. q goes into the draft.
-
-The forwarded tree (deterministic: the expanded nodes; sampled: the whole tree) is run whole
-every round with the verification layout (root at slot `len(tokens) - 1`, node i at `+ i`),
-so every draft forward is a plain tree-attention step; on a CPU the repeated rows cost little
-next to a forward's fixed cost.
+One draft forward per round serves every request of the step (EAGLE-2's dynamic tree for
+greedy requests; for sampled ones, children drawn from q without replacement, as lossless
+verification needs). Subclasses say how to forward. Why it is built so: docs/design.md.
 """
 
 from __future__ import annotations
@@ -38,9 +16,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from drafters.base import Draft, Drafter, DraftRequest
+from drafters.base import Draft, Drafter, DraftRequest, Estimates, UsesTarget
 from specserve.cost_model import RecentMedian
-from specserve.model_runner import TreeRequest
+from specserve.model_runner import LogitsWanted, TreeRequest
 from specserve.tree import TokenTree
 
 # A round expands a candidate only if its path is at least a tenth as likely as the round's
@@ -49,7 +27,7 @@ from specserve.tree import TokenTree
 _LOG_MIN_RATIO = math.log(0.1)
 
 
-class TreeSearchDrafter(Drafter):
+class TreeSearchDrafter(Drafter, UsesTarget, Estimates):
     """A drafter that runs a language model round by round; subclasses say how to forward."""
 
     def __init__(self, top_k: int = 4, beam: int = 4, max_rounds: int | None = None):
@@ -66,12 +44,12 @@ class TreeSearchDrafter(Drafter):
         """A growth round's typical time (None until measured a few times)."""
         return self._round_times.value
 
-    def step_cost(self, max_nodes: int) -> float:
-        """A round's measured time times the rounds a step takes (a chain of `max_nodes` at
+    def step_cost(self, tree_budget: int) -> float:
+        """A round's measured time times the rounds a step takes (a chain of `tree_budget` at
         most); 0 until measured: the policy then tries speculation and learns what it costs."""
-        if self.round_seconds is None or max_nodes <= 0:
+        if self.round_seconds is None or tree_budget <= 0:
             return 0.0
-        return self.round_seconds * min(max_nodes, self.rounds_per_step or 1.0)
+        return self.round_seconds * min(tree_budget, self.rounds_per_step or 1.0)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         if self.vocab_size is None:
@@ -110,7 +88,7 @@ class _Search:
 
     Deterministic mode keeps every generated child as a *candidate*; only the nodes chosen for
     expansion are forwarded (`expanded`, the draft's internal tree), and the draft is the best
-    `max_nodes` candidates at the end. Sampled mode keeps every drawn child: the internal tree
+    `tree_budget` candidates at the end. Sampled mode keeps every drawn child: the internal tree
     and the draft are the same tree.
     """
 
@@ -123,7 +101,7 @@ class _Search:
         if self.shape == "chain":
             top_k = beam = 1
         elif self.shape == "tree":
-            beam = max(request.max_nodes, 1)
+            beam = max(request.tree_budget, 1)
         self.request, self.top_k, self.beam, self.max_rounds = request, top_k, beam, max_rounds
         self.round_share = round_share  # this request's share of a round's time (None: unmeasured)
         self.tokens, self.parents, self.depths, self.scores = [int(request.token_ids[-1])], [-1], [0], [0.0]
@@ -135,7 +113,7 @@ class _Search:
         self._last_gain = math.inf  # what the last round added to that
         self._newest: list[int] = []  # deterministic: the children of the last round
         self._unexpanded: list[tuple[float, int]] = []  # sampled: (-score, node)
-        self.frontier = [0] if request.max_nodes > 0 and request.max_depth > 0 else []
+        self.frontier = [0] if request.tree_budget > 0 and request.max_depth > 0 else []
         # What a drafter keeps per node between rounds (a feature head: the feature each node's
         # row predicted, and what the root's row read) and which nodes the last forward ran.
         self.node_state: dict[int, torch.Tensor] = {}
@@ -144,7 +122,7 @@ class _Search:
 
     @property
     def remaining(self) -> int:
-        return self.request.max_nodes - (len(self.tokens) - 1)
+        return self.request.tree_budget - (len(self.tokens) - 1)
 
     def forward_tree(self) -> tuple[TokenTree, list[int]]:
         """The tree the draft forwards this round and the positions of the frontier in it."""
@@ -154,6 +132,15 @@ class _Search:
         tree = TokenTree(tuple(self.tokens[n] for n in self.expanded),
                          tuple(-1 if n == 0 else position[self.parents[n]] for n in self.expanded))
         return tree, [position[n] for n in self.frontier]
+
+    def catch_up(self, first: int, logits: LogitsWanted = "all", limit: int | None = None) -> TreeRequest:
+        """A step's first round for a drafter with a cache of its own: the chain of the
+        sequence's tokens from `first` (the first without its K/V) to the root (token ids above
+        `limit` clamped to it)."""
+        tokens = self.request.token_ids[first:]
+        if limit is not None:
+            tokens = [min(int(t), limit) for t in tokens]
+        return TreeRequest(TokenTree.chain(tokens), first, self.request.block_table, logits)
 
     def forward_nodes(self) -> list[int]:
         """The nodes of `forward_tree()`, in its order."""
@@ -165,7 +152,7 @@ class _Search:
         return Draft(self._best_tree())
 
     def _best_tree(self) -> TokenTree:
-        """The `max_nodes` most likely candidates. A child is never likelier than its parent
+        """The `tree_budget` most likely candidates. A child is never likelier than its parent
         (ties go to the shallower), so taking them in order keeps every parent in the tree."""
         if self.shape == "tree":  # level by level, each level's likeliest first
             order = sorted(range(1, len(self.tokens)), key=lambda n: (self.depths[n], -self.scores[n], n))
@@ -173,7 +160,7 @@ class _Search:
             order = sorted(range(1, len(self.tokens)), key=lambda n: (-self.scores[n], self.depths[n], n))
         position, tokens, parents = {0: 0}, [self.tokens[0]], [-1]
         for node in order:
-            if len(tokens) > self.request.max_nodes:
+            if len(tokens) > self.request.tree_budget:
                 break
             if self.parents[node] in position and self.depths[node] <= self.request.max_depth:
                 position[node] = len(tokens)
@@ -200,9 +187,9 @@ class _Search:
             self._value, self._last_gain = value, value - self._value
 
     def _expected_accepted(self) -> float:
-        """Sum of the best `max_nodes` path probabilities: the expected accepted length of the
+        """Sum of the best `tree_budget` path probabilities: the expected accepted length of the
         best tree if the draft's probabilities were the target's (EAGLE-2's estimate)."""
-        best = heapq.nlargest(self.request.max_nodes, self.scores[1:])
+        best = heapq.nlargest(self.request.tree_budget, self.scores[1:])
         return sum(math.exp(score) for score in best)
 
     def _sample_children(self, node: int, logq: torch.Tensor, vocab_size: int) -> None:
@@ -237,7 +224,7 @@ class _Search:
             return bool(self.frontier)
         # EAGLE-2: expand the likeliest of the newest children (the draft's K/V of a forwarded
         # node take one of the reserved slots, and the last drafted node never needs them).
-        room = min(self.beam, self.request.max_nodes - len(self.expanded))
+        room = min(self.beam, self.request.tree_budget - len(self.expanded))
         newest = sorted(self._newest, key=lambda n: -self.scores[n])
         if room <= 0 or not newest:
             return False

@@ -1,19 +1,8 @@
 """Measuring what a target forward of N tokens costs on this machine, once, and caching it.
 
-Speculation trades forward size for tokens: a verification tree adds rows to the step's
-forward, and whether that pays depends on how the forward's time grows with its rows, which
-differs by model, dtype and machine (on a 2-core CPU, 32 rows of SmolLM2 in bf16 cost about
-one decode step; on a big batch each extra row costs real time). So the engine times a
-forward of N tokens (after a 128-token context) at start-up, caches the table under the user
-cache dir, and the speculation policy interpolates between sizes (`cost_model.ForwardCost`)
-and corrects the curve with measured steps.
-
-The sizes are dense (every DENSE_STEP tokens) where a busy batch's decodes and their trees sit:
-a CPU's matmuls do not grow smoothly with their rows but in steps (oneDNN's register blocking: on
-a 2-core AVX-512 machine, 32 to 40 rows of SmolLM2 cost 0.2 ms per row per step, 40 to 44 rows 1.3
-ms per row, 44 to 48 nothing), so a handful of nodes on top of 32 decodes may cost a fifth of a
-token each, and a few more, a whole token each. Doubling sizes (32, 64) would price every node at
-the average and miss both.
+The speculation policy interpolates the table (`cost_model.ForwardCost`) and corrects it with
+measured steps; sizes are dense where a busy batch's decodes and trees sit, because a CPU's
+matmuls grow in steps (docs/design.md).
 """
 
 from __future__ import annotations

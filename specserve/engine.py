@@ -1,10 +1,11 @@
-"""The synchronous engine: `add_request`, then `step()` until done. One step is
+"""The synchronous engine: `add_request`, then `step()` until done. One step is five phases,
+each a value handed to the next:
 
-    Scheduler.schedule() -> StepPlan             who runs, prefill chunks, a tree budget each
-    Drafter.propose()    -> Draft per sequence   trees rooted at each decoding sequence's last token
-    ModelRunner.forward() -> ForwardResult       one target pass over every chain and tree
-    verify_batch()       -> Verdict per sampler  every tree at once (a decode: its root alone)
-    KVCache.compact(), BlockManager.commit()     accepted K/V made contiguous, full blocks hashed
+    Scheduler.schedule()  -> StepPlan        who runs, prefill chunks, a tree budget each
+    Drafter.propose()     -> Drafts          trees rooted at each decoding sequence's last token
+    ModelRunner.forward() -> ForwardResult   one target pass over every chain and tree
+    verify_batch()        -> Verdicts        every tree at once (a decode: its root alone)
+    commit                -> StepRecord      tokens appended, accepted K/V kept; the policy learns
 
 The asynchronous engine (`specserve.async_engine`) runs this same loop in a thread.
 """
@@ -34,6 +35,7 @@ from drafters import (
     build_drafter,
     build_part_drafter,
 )
+from drafters.base import Commit, Observes, OwnsKV, UsesTarget
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
 from specserve.calibration import load_or_measure
@@ -89,7 +91,9 @@ class LLMEngine:
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
         per_block = KVCache.bytes_per_block(model_config, block_size, self.model.dtype)
-        per_block += sum(d.kv_bytes_per_block(block_size, model_config, self.model.dtype) for d in self._parts.values())
+        per_block += sum(d.kv_bytes_per_block(block_size, model_config, self.model.dtype)
+                         for d in self._parts.values() if isinstance(d, OwnsKV))
+        self.kv_bytes_per_block = per_block  # the target's K/V and every drafter's own
         num_blocks = self.config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv cache memory of {self.config.kv_cache_bytes} bytes holds no block "
@@ -101,7 +105,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache)
         self._draft_target = DraftTarget(self.runner, num_blocks, block_size, model_config.vocab_size, self.model_path)
         for part in self._parts.values():
-            part.attach(self._draft_target)
+            if isinstance(part, UsesTarget):
+                part.attach(self._draft_target)
         self.num_kv_tokens = num_blocks * block_size
         self.max_model_len = min(self.config.max_model_len or model_config.max_model_len,
                                  model_config.max_model_len, self.num_kv_tokens)
@@ -259,8 +264,7 @@ class LLMEngine:
                 delta = self._commit(s, drafts.get(s.seq.seq_id), forward[b], verdicts.get(b), verified)
                 if delta is not None:
                     deltas.setdefault(s.seq.request_id, {})[s.seq.index] = delta
-        self.policy.observe(StepRecord(plan.shape, sum(d.num_drafted for d in drafts.values()),
-                                       time.perf_counter() - start, verified))
+        self.policy.observe(StepRecord(plan.shape, drafts.num_drafted, time.perf_counter() - start, verified))
         outputs = [self._output(self.requests[rid], d) for rid, d in deltas.items() if rid not in failed]
         return outputs + list(failed.values())
 
@@ -325,20 +329,20 @@ class LLMEngine:
                                      f"start the engine with --draft {key} (or a spec containing it) to use it per "
                                      "request")
                 drafter = build_part_drafter(p, self._draft_options)
-                if self._draft_target is not None:
+                if self._draft_target is not None and isinstance(drafter, UsesTarget):
                     drafter.attach(self._draft_target)
                 self._parts[key] = drafter
             return self._parts[key]
 
         return build_drafter(spec, self._draft_options, part)
 
-    def _propose(self, scheduled: list[ScheduledSequence], token_seconds: float | None) -> dict[int, Draft]:
+    def _propose(self, scheduled: list[ScheduledSequence], token_seconds: float | None) -> Drafts:
         """A draft per sequence the scheduler gave a tree budget (none where a drafter found nothing)."""
         groups: dict[int, tuple[Drafter, list[ScheduledSequence]]] = {}
         for s in scheduled:
             if s.tree_budget and s.seq.drafter is not None:
                 groups.setdefault(id(s.seq.drafter), (s.seq.drafter, []))[1].append(s)
-        drafts: dict[int, Draft] = {}
+        drafts = Drafts()
         for drafter, group in groups.values():
             start = time.perf_counter()
             try:
@@ -352,15 +356,23 @@ class LLMEngine:
                 continue
             finally:
                 self.metrics.draft_s += time.perf_counter() - start
-            drafts.update((s.seq.seq_id, d) for s, d in zip(group, proposed, strict=True) if d.num_drafted)
+            drafts.trees.update((s.seq.seq_id, d) for s, d in zip(group, proposed, strict=True) if d.num_drafted)
         return drafts
 
-    def _observe(self, s: ScheduledSequence, hidden: dict[int, torch.Tensor]) -> None:
-        """The drafter reads the target's hidden states of the committed rows."""
+    def _observe(self, s: ScheduledSequence, rows: RequestRows, path: list[int]) -> None:
+        """A drafter that learns from commits sees this one: the tokens, and the target's
+        hidden states of the committed rows (the chunk, then the accepted path)."""
+        drafter = s.seq.drafter
+        if not isinstance(drafter, Observes) or s.seq.is_finished:
+            return
+        hidden = rows.hidden
+        if hidden:
+            keep = torch.tensor([*range(s.num_tokens - 1), *(s.num_tokens - 1 + node for node in path)])
+            hidden = {k: h[keep] for k, h in hidden.items()}
         try:
-            s.seq.drafter.observe(s.seq.seq_id, s.context_len, hidden)
+            drafter.observe(Commit(s.seq.seq_id, s.seq.token_ids, s.context_len, hidden))
         except Exception as error:  # noqa: BLE001 -- see _drafter_failed
-            self._drafter_failed(s.seq.drafter, [s.seq], error)
+            self._drafter_failed(drafter, [s.seq], error)
 
     def _drafter_failed(self, drafter: Drafter, seqs: list[Sequence], error: Exception) -> None:
         """A drafter that raises: its sequences go on without speculation this step, and its state
@@ -378,7 +390,7 @@ class LLMEngine:
         depth = s.tree_budget
         if spec is not None:
             shape, top_k, depth = spec.tree, spec.top_k, min(depth, spec.max_depth or depth)
-        return DraftRequest(s.seq.seq_id, s.seq.token_ids, max_nodes=s.tree_budget, max_depth=depth,
+        return DraftRequest(s.seq.seq_id, s.seq.token_ids, tree_budget=s.tree_budget, max_depth=depth,
                             block_table=s.seq.block_table.block_ids, temperature=s.seq.params.temperature,
                             generator=s.seq.generator, token_seconds=token_seconds, shape=shape, top_k=top_k)
 
@@ -388,7 +400,7 @@ class LLMEngine:
             return TreeRequest(draft.tree, s.context_len, table, "all")
         return TreeRequest(s.tree(), s.context_len, table, "last" if s.samples else "none")
 
-    def _verify(self, scheduled: list[ScheduledSequence], drafts: dict[int, Draft], forward: ForwardResult,
+    def _verify(self, scheduled: list[ScheduledSequence], drafts: Drafts, forward: ForwardResult,
                 failed: dict[str, RequestOutput]) -> dict[int, Verdict]:
         """Every sequence that samples this step, as a tree (a decode or a prompt's last chunk: its
         root alone), verified at once; then all accepted K/V moved into place in one compaction.
@@ -433,9 +445,6 @@ class LLMEngine:
         if verdict is not None and verdict.error is not None:
             raise verdict.error
         path = verdict.path if verdict is not None else [0]
-        if rows.hidden and seq.drafter is not None:  # the drafter reads the committed rows' states
-            keep = torch.tensor([*range(s.num_tokens - 1), *(s.num_tokens - 1 + node for node in path)])
-            self._observe(s, {k: h[keep] for k, h in rows.hidden.items()})
         seq.num_computed += s.num_tokens - 1 + len(path)  # the accepted nodes' K/V are now contiguous
         seq.num_forwarded_tokens += s.num_tokens - 1 + (len(draft.tree) if draft is not None else 1)
         self.block_manager.commit(seq.block_table, seq.token_ids, min(seq.num_computed, len(seq.token_ids)))
@@ -447,6 +456,7 @@ class LLMEngine:
                 observe(seq.request_id, draft.tree, path)
             verified.append((seq.drafter, verdict.num_accepted, rejected))
         if verdict is None:
+            self._observe(s, rows, path)
             return None
         text, emitted = "", []
         for index, token in enumerate(verdict.tokens):
@@ -456,6 +466,7 @@ class LLMEngine:
                 return text, emitted
         self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed)
         self.block_manager.trim(seq.block_table, seq.num_computed + 1)  # rejected nodes' blocks go back
+        self._observe(s, rows, path)
         return text, emitted
 
     # -- outputs ----------------------------------------------------------------------------------
@@ -502,6 +513,26 @@ class EngineMetrics:
     drafter_errors: int = 0  # drafter calls that raised (their sequences went without speculation that step)
 
 
+@dataclass
+class Drafts:
+    """A step's proposals, by sequence id (a sequence without one runs its chunk or root alone)."""
+
+    trees: dict[int, Draft] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.trees)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self.trees
+
+    def get(self, seq_id: int) -> Draft | None:
+        return self.trees.get(seq_id)
+
+    @property
+    def num_drafted(self) -> int:
+        return sum(d.num_drafted for d in self.trees.values())
+
+
 def _release(seq: Sequence) -> None:
     """Drop the drafter's state for `seq` (a drafter that fails here is logged, not fatal)."""
     if seq.drafter is None:
@@ -514,7 +545,7 @@ def _release(seq: Sequence) -> None:
 
 def _hidden_wanted(scheduled: list[ScheduledSequence]) -> tuple[int, ...]:
     """The target hidden states the step's drafters read (none: the forward keeps none)."""
-    drafters = {id(s.seq.drafter): s.seq.drafter for s in scheduled if s.seq.drafter is not None}
+    drafters = {id(s.seq.drafter): s.seq.drafter for s in scheduled if isinstance(s.seq.drafter, Observes)}
     return tuple(sorted({k for d in drafters.values() for k in d.hidden_wanted()}))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from specserve.kv_cache import KVCache
-from specserve.models.llama import LlamaForCausalLM
+from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 from specserve.tree import TokenTree
 
 LogitsWanted = Literal["all", "last", "none"]
@@ -70,22 +70,42 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
+    def metadata(self, requests: Sequence[TreeRequest]) -> AttentionMetadata:
+        """The step's attention layout over the shared block tables (any cache of this pool's blocks)."""
+        return AttentionMetadata.build([r.tree for r in requests], [r.context_len for r in requests],
+                                       [r.block_table for r in requests], self.block_size)
+
     @torch.inference_mode()
     def forward(
         self, requests: Sequence[TreeRequest], hidden_at: Sequence[int] = (), num_layers: int | None = None
     ) -> ForwardResult:
-        meta = AttentionMetadata.build(
-            [r.tree for r in requests],
-            [r.context_len for r in requests],
-            [r.block_table for r in requests],
-            self.block_size,
-        )
-        input_ids = torch.tensor([t for r in requests for t in r.tree.tokens], dtype=torch.int64)
+        meta = self.metadata(requests)
         starts = [0, *itertools.accumulate(len(r.tree) for r in requests)]  # from the host: no read
         selected, counts = _logits_rows(requests, starts)
-        out = self.model(input_ids, meta, self.kv_cache, logits_indices=selected, hidden_at=hidden_at,
+        out = self.model(_input_ids(requests), meta, self.kv_cache, logits_indices=selected, hidden_at=hidden_at,
                          num_layers=num_layers)
         return ForwardResult(out.logits, out.hidden, [0, *itertools.accumulate(counts)], starts)
+
+    @torch.inference_mode()
+    def run_layers(self, requests: Sequence[TreeRequest], num_layers: int) -> torch.Tensor:
+        """The target's first `num_layers` layers over the requests' trees (writing their K/V):
+        the residual stream out, [tokens, hidden] (an early-exit head drafts from it)."""
+        return self.model.run_layers(_input_ids(requests), self.metadata(requests), self.kv_cache, num_layers)
+
+    @torch.inference_mode()
+    def run_layer(self, layer: DecoderLayer, kv_cache: KVCache, requests: Sequence[TreeRequest],
+                  x: torch.Tensor) -> torch.Tensor:
+        """One more decoder layer of the target's shape (a drafter head's) over the requests'
+        trees, from inputs `x` [tokens, hidden], its K/V in `kv_cache` (indexed by the same
+        block tables): the residual stream out."""
+        meta = self.metadata(requests)
+        cos, sin = self.model.rotary(meta.positions)
+        out, delta = layer(x, None, cos, sin, kv_cache, meta)
+        return out + delta
+
+
+def _input_ids(requests: Sequence[TreeRequest]) -> torch.Tensor:
+    return torch.tensor([t for r in requests for t in r.tree.tokens], dtype=torch.int64)
 
 
 def _logits_rows(requests: Sequence[TreeRequest], starts: list[int]) -> tuple[torch.Tensor, list[int]]:

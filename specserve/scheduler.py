@@ -98,11 +98,11 @@ class Scheduler:
                 wanted[seq] = 1
                 budget -= 1
         prompt_tokens = min(budget, sum(s.num_uncomputed for s in self.running if s.num_uncomputed > 1))
-        caps = {seq: self._tree_budget(seq) for seq in wanted if seq.drafter is not None}
+        caps = {seq: self._cap(seq) for seq in wanted if seq.drafter is not None}
         shape = StepShape(len(wanted), len(wanted) + prompt_tokens, decode_keys([seq.num_tokens for seq in wanted]))
         tree_plan = self.policy.plan(caps, shape, budget) if caps else TreePlan({})
-        trees, plan.token_seconds = tree_plan.budgets, tree_plan.token_seconds
-        budget -= sum(trees.values())
+        tree_budgets, plan.token_seconds = tree_plan.tree_budgets, tree_plan.token_seconds
+        budget -= sum(tree_budgets.values())
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
                 wanted[seq] = min(seq.num_uncomputed, budget)
@@ -117,7 +117,7 @@ class Scheduler:
                 plan.scheduled.append(ScheduledSequence(seq, seq.num_computed, wanted[seq],
                                                         decode=seq.num_uncomputed == 1))
         for s in plan.scheduled:  # trees only from blocks nobody's next token needs
-            s.tree_budget = self._reserve_tree(s.seq, trees.get(s.seq, 0))
+            s.tree_budget = self._reserve_tree(s.seq, tree_budgets.get(s.seq, 0))
         budget = self.config.max_num_batched_tokens - plan.num_batched_tokens  # what preemption freed
 
         if not plan.preempted:  # under memory pressure, admit nobody new
@@ -125,19 +125,19 @@ class Scheduler:
         plan.shape = step_shape(plan.scheduled)
         return plan
 
-    def _tree_budget(self, seq: Sequence) -> int:
-        """Drafted nodes this sequence may verify this step: its cap, and no deeper than the
+    def _cap(self, seq: Sequence) -> int:
+        """The most drafted nodes this sequence may verify this step: its `max_tree_tokens`, and no deeper than the
         tokens it may still emit (the bonus token always comes on top)."""
         return max(0, min(seq.max_tree_tokens, seq.num_remaining_tokens - 1))
 
-    def _reserve_tree(self, seq: Sequence, tree: int) -> int:
+    def _reserve_tree(self, seq: Sequence, tree_budget: int) -> int:
         """Slots for a drafted tree if the pool has them now; speculation never preempts anyone."""
-        if tree:
+        if tree_budget:
             try:
-                self.blocks.ensure_slots(seq.block_table, seq.num_computed + 1 + tree)
+                self.blocks.ensure_slots(seq.block_table, seq.num_computed + 1 + tree_budget)
             except NoFreeBlocks:
                 return 0
-        return tree
+        return tree_budget
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Blocks for `seq`'s next tokens, preempting newer sequences; False if `seq` itself was preempted."""

@@ -1,33 +1,9 @@
 """Per-step tree budgets: speculate where it pays, and by as much as it pays.
 
-For the decoding sequences of a step, the adaptive policy picks b_r drafted nodes each to
-maximise the step's expected emitted tokens per second:
-
-    rate(b) = sum_r (1 + E_r(b_r)) / (T(sum_r b_r) + sum_d D_d(b) + L)
-
-* E_r(b) = P_r(1) + ... + P_r(b), P_r(k) the probability that the first k drafted tokens are
-  all accepted: the drafter's own estimate for what it would propose this step where it has
-  one (`Drafter.acceptance_profile`: n-gram lookup knows a 3-token match from a 1-token one),
-  else alpha_r^k, alpha_r the sequence's measured acceptance (shrunk toward its drafter's
-  while the sequence has few steps of its own);
-* T: the step's forward, `specserve.cost_model.StepCost` of its batch size, fitted to the steps
-  measured at that batch size: a fixed part, the decodes' attention by the keys it reads (an
-  extra row does not repeat it), the calibrated cost of the step's own rows (decodes and
-  prompt chunks), scaled, a price for having trees at all, and a price per drafted node: a
-  batch with trees loses the decode-only fast paths and pays for verification, which the
-  single-chain calibration cannot see, so at high load one lone guess does not pay for the
-  attention call its tree brings, while the sure guesses of many sequences may. Less the
-  step's prompt chunks (their rows and their own attention): a chunk is prefilled whatever is
-  drafted, and an emitted token is worth the decode time it saves, not a share of a prefill;
-* D_d: drafter d's own estimate of a step's drafting time for the largest tree it grows
-  (`Drafter.step_cost`, from its measured draft forwards; 0 for n-gram lookup);
-* L: the look at every sequence's guess that found the plan (the last look's time at this batch
-  size; none for b = 0): a plan found keeps the policy looking at the next step.
-
-Nodes are ordered by marginal gain (P_r(k) for sequence r's k-th node), and the best
-prefix of that order wins, b = 0 included (trees only for a clear gain, MIN_RATE_GAIN): at
-high load, where every extra row costs real time, only the surest guesses are verified, or
-none, and the engine runs as fast as without speculation.
+`FixedPolicy` gives every speculating decode its cap; `AdaptivePolicy` picks the budgets that
+maximise the step's expected tokens per second from each sequence's acceptance, the step's
+fitted cost and the drafters' own costs. Both are asked by the scheduler (`plan`) and learn
+only from the engine's `StepRecord`s (`observe`). The model and its reasons: docs/design.md.
 """
 
 from __future__ import annotations
@@ -42,7 +18,7 @@ from functools import partial
 
 import numpy as np
 
-from drafters.base import Drafter
+from drafters.base import Drafter, Estimates
 from specserve.cost_model import ForwardCost, StepCost
 from specserve.sequence import Sequence
 
@@ -93,7 +69,7 @@ class TreePlan:
     emitted token is worth at that plan (what a drafter weighs another draft forward against;
     None: no estimate)."""
 
-    budgets: dict[Sequence, int]
+    tree_budgets: dict[Sequence, int]
     token_seconds: float | None = None
 
 
@@ -122,8 +98,9 @@ class SpeculationPolicy(ABC):
     """What the scheduler asks of a policy (`plan`) and what the engine tells it (`observe`)."""
 
     @abstractmethod
-    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
-        """Drafted nodes per sequence (each within its cap, all within `max_total`) for a step of
+    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, room: int) -> TreePlan:
+        """A tree budget per sequence (each within its cap, its `max_tree_tokens` within the tokens
+        it may still emit; all within `room`, the drafted nodes the step has room for) for a step of
         `shape` (its decodes speculating or not; its tokens besides the drafted nodes)."""
 
     def observe(self, record: StepRecord) -> None:  # noqa: B027 - a fixed policy learns nothing
@@ -133,12 +110,12 @@ class SpeculationPolicy(ABC):
 class FixedPolicy(SpeculationPolicy):
     """Every speculating sequence gets its cap, oldest first, within the step's token budget."""
 
-    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
-        return TreePlan(_caps_within(caps, max_total))
+    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, room: int) -> TreePlan:
+        return TreePlan(_caps_within(caps, room))
 
 
-def _caps_within(caps: Mapping[Sequence, int], max_total: int) -> dict[Sequence, int]:
-    chosen, left = {}, max_total
+def _caps_within(caps: Mapping[Sequence, int], room: int) -> dict[Sequence, int]:
+    chosen, left = {}, room
     for seq, cap in caps.items():
         chosen[seq] = min(cap, left)
         left -= chosen[seq]
@@ -224,17 +201,17 @@ class AdaptivePolicy(SpeculationPolicy):
 
     # -- the decision ---------------------------------------------------------------------------
 
-    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
+    def plan(self, caps: Mapping[Sequence, int], shape: StepShape, room: int) -> TreePlan:
         if self.forward_cost is None:
-            return TreePlan(_caps_within(caps, max_total))
-        return self._best_budgets(caps, shape, max_total)
+            return TreePlan(_caps_within(caps, room))
+        return self._best_budgets(caps, shape, room)
 
-    def _best_budgets(self, caps: Mapping[Sequence, int], shape: StepShape, max_total: int) -> TreePlan:
-        budgets = dict.fromkeys(caps, 0)
+    def _best_budgets(self, caps: Mapping[Sequence, int], shape: StepShape, room: int) -> TreePlan:
+        tree_budgets = dict.fromkeys(caps, 0)
         num_seqs, base_tokens, keys = shape.decodes, shape.tokens, shape.keys
         bucket = _bucket(num_seqs)
         if self.throttle.skip(bucket):  # a look found nothing lately: this step decides nothing
-            return TreePlan(budgets)
+            return TreePlan(tree_budgets)
         step_cost = self._step_cost(num_seqs)
         # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
         chunked = shape.chunked
@@ -245,9 +222,9 @@ class AdaptivePolicy(SpeculationPolicy):
         # saves at 32 clients, and the trees bought there cost what they brought.
         prompt_seconds = max(0.0, plain_seconds - step_cost.seconds(num_seqs, 0, keys=keys)) if chunked else 0.0
         plain_rate = num_seqs / (plain_seconds - prompt_seconds)  # each emits >= 1 token
-        plain = TreePlan(budgets, 1.0 / plain_rate)
+        plain = TreePlan(tree_budgets, 1.0 / plain_rate)
         seqs = [seq for seq, cap in caps.items() if cap > 0]
-        if not seqs or max_total <= 0:
+        if not seqs or room <= 0:
             return plain
         # The best node is worth less than a node costs, even before drafting: then so is every
         # prefix of nodes. The common case of a busy server, decided first from what each drafter
@@ -258,17 +235,17 @@ class AdaptivePolicy(SpeculationPolicy):
         if bound is not None and bound * plain.token_seconds <= node_seconds:
             return plain
         start = self._clock()
-        found = self._best_plan(seqs, caps, max_total, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
+        found = self._best_plan(seqs, caps, room, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
                                 node_seconds, plain_rate, self.throttle.last_look(bucket))
         self.throttle.looked(bucket, self._clock() - start, found is not None, plain_seconds)
         if found is None:
             return plain
         rows, rate = found
         for row, count in enumerate(np.bincount(rows, minlength=len(seqs))):
-            budgets[seqs[row]] = int(count)
-        return TreePlan(budgets, 1.0 / rate)
+            tree_budgets[seqs[row]] = int(count)
+        return TreePlan(tree_budgets, 1.0 / rate)
 
-    def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], max_total: int, num_seqs: int,
+    def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], room: int, num_seqs: int,
                    step_seconds: Callable[[np.ndarray], np.ndarray], node_seconds: float,
                    plain_rate: float, look_seconds: float) -> tuple[np.ndarray, float] | None:
         """The sequence row of every node of the best plan, and its rate (None: plain steps are
@@ -279,7 +256,7 @@ class AdaptivePolicy(SpeculationPolicy):
         gains = self._gains(seqs, [caps[seq] for seq in seqs])
         if gains[:, 0].max() / plain_rate <= node_seconds:
             return None
-        rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], max_total)
+        rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], room)
         if not len(rows):
             return None
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
@@ -299,7 +276,8 @@ class AdaptivePolicy(SpeculationPolicy):
         gains = np.zeros((len(seqs), len(depth)))
         credited: set[Drafter] = set()
         for row, (seq, cap) in enumerate(zip(seqs, caps, strict=True)):
-            profile = seq.drafter.acceptance_profile(seq.seq_id, seq.token_ids, cap)
+            estimates = isinstance(seq.drafter, Estimates)
+            profile = seq.drafter.acceptance_profile(seq.seq_id, seq.token_ids, cap) if estimates else None
             if profile is None:
                 credited.add(seq.drafter)
                 gains[row, :cap] = self._credited_alpha(seq) ** depth[:cap]
@@ -318,12 +296,14 @@ class AdaptivePolicy(SpeculationPolicy):
     @staticmethod
     def _draft_seconds(seqs: list[Sequence], rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """Drafting time of every prefix of the node order: each drafter grows its deepest tree
-        so far (`Drafter.step_cost` of that size), summed over the step's drafters."""
+        so far (`Estimates.step_cost` of that size), summed over the step's drafters."""
         drafters: dict[Drafter, int] = {}
         drafter_of = np.array([drafters.setdefault(seq.drafter, len(drafters)) for seq in seqs])[rows]
         seconds = np.zeros(len(rows))
         for drafter, index in drafters.items():
             deepest = np.maximum.accumulate(np.where(drafter_of == index, depths, 0))
+            if not isinstance(drafter, Estimates):
+                continue
             table = np.array([drafter.step_cost(n) for n in range(int(deepest[-1]) + 1)])
             seconds += table[deepest]
         return seconds
@@ -340,15 +320,15 @@ def _bucket(num_seqs: int) -> int:
 def _first_gain_bound(seqs: list[Sequence]) -> float | None:
     """At least P_r(1) for every sequence r, by what the drafters say their surest guesses are
     worth (None: a drafter goes by measured acceptance, which its sequences' gains then tell)."""
-    bounds = [drafter.acceptance_bound() for drafter in {seq.drafter for seq in seqs}]
+    bounds = [d.acceptance_bound() if isinstance(d, Estimates) else None for d in {seq.drafter for seq in seqs}]
     return None if None in bounds else max(bounds)
 
 
-def _nodes_by_gain(gains: np.ndarray, seq_ids: list[int], max_total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _nodes_by_gain(gains: np.ndarray, seq_ids: list[int], room: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every (sequence row, k-th drafted node) whose marginal gain `gains[row, k - 1]` (non-
     increasing along a row) is at least MIN_GAIN, best first (ties: shallower node, then older
-    sequence), at most `max_total`: (rows, k, gains)."""
+    sequence), at most `room`: (rows, k, gains)."""
     rows, cols = np.nonzero(gains >= MIN_GAIN)
     values = gains[rows, cols]
-    order = np.lexsort((np.asarray(seq_ids)[rows], cols, -values))[:max_total]
+    order = np.lexsort((np.asarray(seq_ids)[rows], cols, -values))[:room]
     return rows[order], cols[order] + 1, values[order]

@@ -47,15 +47,15 @@ class TokenTree:
         return cls((int(token),), (-1,))
 
     @classmethod
-    def from_paths(cls, root: int, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> TokenTree:
+    def from_paths(cls, root: int, paths: Sequence[Sequence[int]], tree_budget: int | None = None) -> TokenTree:
         """Merge token paths hanging off `root` into one tree, sharing common prefixes.
 
-        With `max_nodes`, paths are taken in order until the tree has that many nodes besides
+        With `tree_budget`, paths are taken in order until the tree has that many nodes besides
         the root; the path that does not fit is cut short.
         """
         tokens, parents = [int(root)], [-1]
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        limit = len(tokens) + (max_nodes if max_nodes is not None else sum(len(p) for p in paths))
+        limit = len(tokens) + (tree_budget if tree_budget is not None else sum(len(p) for p in paths))
         for path in paths:
             node = 0
             for tok in path:

@@ -74,7 +74,7 @@ def test_a_chain_draft_is_the_draft_models_greedy_continuation_step_after_step(d
     steps = [(2, []), (1, [3, 250]), (0, []), (4, []), (0, [])]
     new_tokens = len(tokens)  # what the next step's first forward must run: the prompt at first
     for accepted, plain in steps:
-        request = DraftRequest(seq_id=1, token_ids=tokens, max_nodes=4, max_depth=4, block_table=range(8),
+        request = DraftRequest(seq_id=1, token_ids=tokens, tree_budget=4, max_depth=4, block_table=range(8),
                                shape="chain")
         rows.clear()
         chain = drafter.propose([request])[0].tree

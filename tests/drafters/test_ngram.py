@@ -7,24 +7,24 @@ import random
 import numpy as np
 import pytest
 
-from drafters.base import DraftRequest
+from drafters.base import Commit, DraftRequest
 from drafters.merge import MergedDrafter, tree_paths
 from drafters.ngram import NgramDrafter
 
 
-def propose(drafter, tokens, max_nodes=8, max_depth=8, seq_id=0):
-    return drafter.propose([DraftRequest(seq_id, tokens, max_nodes, max_depth)])[0].tree
+def propose(drafter, tokens, tree_budget=8, max_depth=8, seq_id=0):
+    return drafter.propose([DraftRequest(seq_id, tokens, tree_budget, max_depth)])[0].tree
 
 
 def test_the_longest_match_continues_as_a_chain():
     tokens = [7, 1, 2, 3, 4, 5, 9, 2, 3]  # "2 3" was followed by "4 5 9"
-    tree = propose(NgramDrafter(), tokens, max_nodes=3, max_depth=3)
+    tree = propose(NgramDrafter(), tokens, tree_budget=3, max_depth=3)
     assert tree.tokens == (3, 4, 5, 9) and tree.is_chain
 
 
 def test_several_matches_branch_and_share_prefixes():
     tokens = [1, 2, 3, 1, 2, 4, 1, 2]  # "1 2" was followed by 3 and by 4
-    tree = propose(NgramDrafter(), tokens, max_nodes=4, max_depth=2)
+    tree = propose(NgramDrafter(), tokens, tree_budget=4, max_depth=2)
     roots_children = {tree.tokens[c] for c in tree.children[0]}
     assert roots_children == {3, 4}  # most recent match (4) first, then 3
     assert tree.tokens[1] == 4
@@ -35,12 +35,12 @@ def test_nothing_to_propose_without_a_match():
     assert len(tree) == 1 and tree.tokens == (4,)
 
 
-@pytest.mark.parametrize("max_nodes, max_depth", [(0, 5), (1, 5), (3, 1), (5, 2), (16, 16)])
-def test_budget_and_depth_are_respected(max_nodes, max_depth):
-    rng = random.Random(max_nodes * 31 + max_depth)
+@pytest.mark.parametrize("tree_budget, max_depth", [(0, 5), (1, 5), (3, 1), (5, 2), (16, 16)])
+def test_budget_and_depth_are_respected(tree_budget, max_depth):
+    rng = random.Random(tree_budget * 31 + max_depth)
     tokens = [rng.randrange(4) for _ in range(200)]
-    tree = propose(NgramDrafter(), tokens, max_nodes, max_depth)
-    assert len(tree) - 1 <= max_nodes and max(tree.depths) <= max_depth
+    tree = propose(NgramDrafter(), tokens, tree_budget, max_depth)
+    assert len(tree) - 1 <= tree_budget and max(tree.depths) <= max_depth
     assert tree.tokens[0] == tokens[-1]
 
 
@@ -61,9 +61,9 @@ def test_incremental_index_equals_a_fresh_one():
 def test_a_match_is_whole_tokens_not_bytes_that_straddle_two():
     """Tokens are searched as bytes (4 per token): 256 = 00 01 00 00 and 1 = 01 00 00 00, so the
     bytes of [256, 0] contain those of [1] one byte in, which is no occurrence of token 1."""
-    tree = propose(NgramDrafter(max_ngram=1), [256, 0, 5, 1], max_nodes=4, max_depth=4)
+    tree = propose(NgramDrafter(max_ngram=1), [256, 0, 5, 1], tree_budget=4, max_depth=4)
     assert len(tree) == 1
-    tree = propose(NgramDrafter(max_ngram=1), [1, 7, 256, 0, 5, 1], max_nodes=4, max_depth=1)
+    tree = propose(NgramDrafter(max_ngram=1), [1, 7, 256, 0, 5, 1], tree_budget=4, max_depth=1)
     assert tree.tokens == (1, 7)  # the real occurrence, found past the straddling more recent one
 
 
@@ -87,14 +87,14 @@ def test_merge_keeps_the_first_tree_whole_and_dedupes():
 
 def test_small_budgets_go_to_the_best_matchs_chain():
     tokens = [1, 2, 3, 5, 1, 2, 4, 6, 1, 2]  # "1 2" was followed by "4 6" and by "3 5"
-    assert propose(NgramDrafter(), tokens, max_nodes=2, max_depth=2).tokens == (2, 4, 6)
-    assert propose(NgramDrafter(), tokens, max_nodes=4, max_depth=2).tokens == (2, 4, 6, 3, 5)
+    assert propose(NgramDrafter(), tokens, tree_budget=2, max_depth=2).tokens == (2, 4, 6)
+    assert propose(NgramDrafter(), tokens, tree_budget=4, max_depth=2).tokens == (2, 4, 6, 3, 5)
 
 
 def grow(drafter, tokens, seq_id=0, start=1):
-    """Let the sequence emit `tokens` one by one, asked for its profile every step (as the policy asks)."""
+    """Let the sequence commit `tokens` one by one, as the engine tells the drafter after every step."""
     for length in range(start, len(tokens) + 1):
-        drafter.acceptance_profile(seq_id, tokens[:length], 4)
+        drafter.observe(Commit(seq_id, tokens[:length], length - 1, {}))
 
 
 def test_guesses_are_scored_against_what_followed_whether_verified_or_not():
@@ -114,6 +114,29 @@ def test_guesses_are_scored_against_what_followed_whether_verified_or_not():
     assert doubtful[0] < 0.2
     assert all(np.diff(confident) <= 0) and all(np.diff(doubtful) <= 0)  # P(first k all come true)
     assert drafter.acceptance_bound() == pytest.approx(max(confident[0], doubtful[0]))  # the surest kind's
+
+
+def test_asking_what_a_guess_is_worth_changes_nothing():
+    """Planning reads the estimates: only commits score guesses, whatever the policy asks and in what order."""
+    phrase = [5, 6, 7, 8]
+    tokens = [*phrase, 1, *phrase, 2, *phrase, 3, *phrase[:2]]
+    asked, observed = NgramDrafter(), NgramDrafter()
+    for length in range(1, len(tokens) + 1):
+        for drafter in (asked, observed):
+            drafter.observe(Commit(0, tokens[:length], length - 1, {}))
+        for later in range(length, len(tokens) + 1):  # the policy may ask about any sequence, any number of times
+            asked.acceptance_profile(0, tokens[:later], 4)
+            asked.acceptance_profile(1, tokens[:later], 4)
+        assert asked.acceptance_profile(0, tokens[:length], 4) == observed.acceptance_profile(0, tokens[:length], 4)
+        assert asked.acceptance_bound() == observed.acceptance_bound()
+
+
+def test_a_sequence_not_observed_yet_is_judged_by_the_guess_it_would_get():
+    drafter = NgramDrafter()
+    grow(drafter, [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 9])  # 3-token matches came true
+    observed = drafter.acceptance_profile(0, [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 9], 2)
+    assert drafter.acceptance_profile(7, [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 9], 2) == observed
+    assert list(drafter.acceptance_profile(8, [4, 5, 6], 2)) == [0, 0]  # nothing to match
 
 
 def test_an_unscored_kind_of_match_is_a_coin_flip_and_no_match_is_worth_nothing():

@@ -21,6 +21,9 @@ class TableDrafter(TreeSearchDrafter):
         super().__init__(**options)
         self.table, self.spec, self.vocab_size, self.frontiers = table, "table", VOCAB, []
 
+    def attach(self, target) -> None:  # its table is its whole model
+        pass
+
     def _forward(self, searches):
         self.frontiers.append([len(s.frontier) for s in searches])
         return [self.table[[s.tokens[n] for n in s.frontier]] for s in searches]
@@ -34,8 +37,8 @@ def confident_table() -> torch.Tensor:
     return logits
 
 
-def request(max_nodes: int, max_depth: int | None = None, **kwargs) -> DraftRequest:
-    return DraftRequest(0, [3, 1, 0], max_nodes, max_nodes if max_depth is None else max_depth, **kwargs)
+def request(tree_budget: int, max_depth: int | None = None, **kwargs) -> DraftRequest:
+    return DraftRequest(0, [3, 1, 0], tree_budget, tree_budget if max_depth is None else max_depth, **kwargs)
 
 
 def test_a_chain_follows_the_argmax_for_the_whole_budget():

@@ -44,12 +44,12 @@ def decoding(seq_id: int, accepted: int = 0, steps: int = 0) -> Sequence:
     return seq
 
 
-def plan_budgets(policy: SpeculationPolicy, caps: dict, base_tokens: int, max_total: int, num_seqs: int | None = None,
+def plan_budgets(policy: SpeculationPolicy, caps: dict, base_tokens: int, room: int, num_seqs: int | None = None,
             keys: int = 0) -> dict:
     """The policy's tree budgets for a step of `base_tokens` tokens, `num_seqs` of them decodes
     (default: the speculating sequences)."""
     shape = StepShape(len(caps) if num_seqs is None else num_seqs, base_tokens, keys)
-    return policy.plan(caps, shape, max_total).budgets
+    return policy.plan(caps, shape, room).tree_budgets
 
 
 def observe_step(policy: SpeculationPolicy, num_seqs: int, base_tokens: int, nodes: int, seconds: float,
@@ -80,20 +80,20 @@ STEEP = ForwardCost([1, 512], [0.050, 0.050 * 512])  # every row costs a whole f
 def test_cheap_rows_and_good_acceptance_buy_deep_trees():
     policy = adaptive_policy(FLAT)
     seq = decoding(0, accepted=90, steps=10)  # ~0.9 per drafted token
-    assert plan_budgets(policy, {seq: 8}, base_tokens=1, max_total=100)[seq] == 8
+    assert plan_budgets(policy, {seq: 8}, base_tokens=1, room=100)[seq] == 8
 
 
 def test_poor_acceptance_gets_fewer_nodes_than_good_acceptance():
     policy = adaptive_policy(ForwardCost([1, 2, 512], [0.05, 0.058, 4.0]))
     good, poor = decoding(0, accepted=90, steps=10), decoding(1, accepted=1, steps=40)
-    budgets = plan_budgets(policy, {good: 8, poor: 8}, base_tokens=2, max_total=100)
+    budgets = plan_budgets(policy, {good: 8, poor: 8}, base_tokens=2, room=100)
     assert budgets[good] > budgets[poor]
 
 
 def test_when_rows_cost_a_forward_each_nothing_is_speculated():
     policy = adaptive_policy(STEEP)
     seqs = [decoding(i, accepted=50, steps=10) for i in range(4)]
-    assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), base_tokens=4, max_total=100).values()) == {0}
+    assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), base_tokens=4, room=100).values()) == {0}
 
 
 def test_speculation_shrinks_as_the_batch_grows():
@@ -103,14 +103,14 @@ def test_speculation_shrinks_as_the_batch_grows():
     totals = []
     for batch in (1, 8, 256):
         seqs = [decoding(i, accepted=10, steps=10) for i in range(batch)]  # ~0.5 per drafted token
-        chosen = plan_budgets(policy, dict.fromkeys(seqs, 8), base_tokens=batch, max_total=1024)
+        chosen = plan_budgets(policy, dict.fromkeys(seqs, 8), base_tokens=batch, room=1024)
         totals.append(sum(chosen.values()) / batch)
     assert totals[0] >= totals[1] > totals[2] == 0
 
 
 class CostlyDrafter(MeasuredDrafter):
-    def step_cost(self, max_nodes: int) -> float:
-        return 0.05 * max_nodes  # a whole forward per drafted node
+    def step_cost(self, tree_budget: int) -> float:
+        return 0.05 * tree_budget  # a whole forward per drafted node
 
 
 def test_the_drafters_cost_is_charged():
@@ -380,11 +380,11 @@ def test_a_drafter_judged_on_one_unlucky_step_is_tried_again_after_a_while():
     with the steps that weighed it, and it is tried again."""
     policy = adaptive_policy(DEAR_NODE)
     seq = decoding(0)
-    assert plan_budgets(policy, {seq: 1}, base_tokens=1, max_total=8)[seq] == 1
+    assert plan_budgets(policy, {seq: 1}, base_tokens=1, room=8)[seq] == 1
     seq.spec_stats.record(1, 0)
     observe_verify(policy, DRAFTER, accepted=0)
     plain = 0
-    while plan_budgets(policy, {seq: 1}, base_tokens=1, max_total=8)[seq] == 0:
+    while plan_budgets(policy, {seq: 1}, base_tokens=1, room=8)[seq] == 0:
         plain += 1
         assert plain < 100
     assert plain >= 1
@@ -393,7 +393,7 @@ def test_a_drafter_judged_on_one_unlucky_step_is_tried_again_after_a_while():
 def test_fixed_budgets_are_the_caps_within_the_token_budget():
     policy = FixedPolicy()
     a, b, c = decoding(0), decoding(1), decoding(2)
-    assert plan_budgets(policy, {a: 8, b: 8, c: 8}, base_tokens=3, max_total=12) == {a: 8, b: 4, c: 0}
+    assert plan_budgets(policy, {a: 8, b: 8, c: 8}, base_tokens=3, room=12) == {a: 8, b: 4, c: 0}
 
 
 def test_forward_cost_interpolates_between_measured_sizes():
@@ -551,5 +551,5 @@ def test_a_token_is_worth_the_decode_time_it_saves_not_a_share_of_a_prefill():
     seqs, _ = known_guesses(dict.fromkeys(range(32), 0.6))
     assert sum(plan_budgets(policy, dict.fromkeys(seqs, 1), 32, 1024).values()) == 0
     prefilling = policy.plan(dict.fromkeys(seqs, 1), StepShape(32, 232), 1024)
-    assert sum(prefilling.budgets.values()) == 0
+    assert sum(prefilling.tree_budgets.values()) == 0
     assert prefilling.token_seconds == pytest.approx(0.050 / 32)

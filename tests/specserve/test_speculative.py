@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from drafters import Drafter
+from drafters.base import Observes
 from specserve import verify as verify_module
 from specserve.closed_loop import run_to_completion
 from specserve.config import EngineConfig
@@ -93,11 +94,8 @@ def test_greedy_speculation_equals_plain_decoding(smollm2_path, smollm2_draft_pa
     options["draft"] = options["draft"].format(draft=smollm2_draft_path)
     if case == "preemption":  # room for the longest sequence and a little more
         engine = make_engine(smollm2_path, **{**options, "kv_cache_memory": "4MiB"})
-        per_block = engine.kv_cache.bytes_per_block(engine.model.config, 16, torch.float32)
-        per_block += sum(d.kv_bytes_per_block(16, engine.model.config, engine.model.dtype)  # a drafter's K/V too
-                         for d in engine._parts.values())
         longest = max(len(p) for p in prompts) + 32
-        options["kv_cache_memory"] = per_block * (longest // 16 + 12)
+        options["kv_cache_memory"] = engine.kv_bytes_per_block * (longest // 16 + 12)  # a drafter's K/V too
     engine = make_engine(smollm2_path, **options)
     outputs = run_batch(engine, prompts, SamplingParams(temperature=0, max_tokens=32))
     for i, (got, want) in enumerate(zip(tokens_of(outputs), reference, strict=True)):
@@ -190,7 +188,7 @@ def small_vocab_model(tmp_path_factory, smollm2_path, make_tiny_checkpoint):
     return directory
 
 
-class RecordingDrafter(Drafter):
+class RecordingDrafter(Drafter, Observes):
     """Wraps a drafter and remembers the widest tree it proposed."""
 
     def __init__(self, inner: Drafter):
@@ -207,10 +205,11 @@ class RecordingDrafter(Drafter):
         self.inner.release(seq_id)
 
     def hidden_wanted(self):
-        return self.inner.hidden_wanted()
+        return self.inner.hidden_wanted() if isinstance(self.inner, Observes) else ()
 
-    def observe(self, seq_id, position, hidden) -> None:
-        self.inner.observe(seq_id, position, hidden)
+    def observe(self, commit) -> None:
+        if isinstance(self.inner, Observes):
+            self.inner.observe(commit)
 
 
 def first_three(path, draft: str, params: SamplingParams, draws: int, **options) -> tuple[torch.Tensor, LLMEngine]:

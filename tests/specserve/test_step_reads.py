@@ -30,7 +30,7 @@ class FixedTreeDrafter(Drafter):
         for r in requests:
             history = list(r.token_ids[-8:])
             tokens = (r.token_ids[-1], history[0], history[1 % len(history)], history[-1], history[-2 % len(history)])
-            tree = TokenTree(tokens[: r.max_nodes + 1], (-1, 0, 0, 1, 1)[: r.max_nodes + 1])
+            tree = TokenTree(tokens[: r.tree_budget + 1], (-1, 0, 0, 1, 1)[: r.tree_budget + 1])
             drafts.append(Draft(tree))
         return drafts
 

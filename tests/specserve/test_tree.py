@@ -67,13 +67,13 @@ def test_from_paths_shares_prefixes_and_keeps_every_path(root, paths):
 
 
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), min_size=1, max_size=8), st.integers(0, 12))
-def test_from_paths_with_a_node_budget_keeps_earlier_paths_first(paths, max_nodes):
-    tree = TokenTree.from_paths(9, paths, max_nodes=max_nodes)
-    assert len(tree) - 1 <= max_nodes
+def test_from_paths_with_a_node_budget_keeps_earlier_paths_first(paths, tree_budget):
+    tree = TokenTree.from_paths(9, paths, tree_budget=tree_budget)
+    assert len(tree) - 1 <= tree_budget
     prefixes = {tuple(p[:k]) for p in paths for k in range(1, len(p) + 1)}
     assert all(tuple(tree.path_tokens(i)[1:]) in prefixes for i in range(1, len(tree)))
     first = TokenTree.from_paths(9, paths[:1])
-    if len(first) - 1 <= max_nodes:  # the first path always fits whole when it can
+    if len(first) - 1 <= tree_budget:  # the first path always fits whole when it can
         assert tuple([9, *paths[0]]) in {tuple(tree.path_tokens(i)) for i in range(len(tree))}
 
 
