@@ -13,6 +13,9 @@
   the residual add before it in the same pass.
 * `rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)`: rotary q and k
   out of the fused projection, k and v written to their cache slots (`kernels/cpu/rope_kv.cpp`).
+* `row_argmax`, `filter_stats`, `sample_rows`: sampling's passes over rows of logits, argmax,
+  filtered distributions without a sort, inverse-CDF draws (`kernels/cpu/sampling_rows.cpp`;
+  `specserve.sampling` calls them).
 
 All compute each row as if it were alone in the step. They are compiled once per CPU
 (`-march=native`: AVX-512 VNNI, AVX2 or portable C++) and cached under the specserve cache
@@ -34,7 +37,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp")]
+           for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp",
+                        "sampling_rows.cpp")]
 log = logging.getLogger(__name__)
 
 

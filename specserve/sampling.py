@@ -25,6 +25,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from functools import cache
 
 import torch
 
@@ -227,12 +228,13 @@ def filter_rows(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         scores = _on_rows(scores, top_k, params, keep_top_k)
     if top_p := [i for i, p in enumerate(params) if p.top_p < 1]:
         def keep_top_p(rows: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
-            sorted_rows, order = torch.sort(rows, dim=-1, descending=True)
+            sorted_rows = torch.sort(rows, dim=-1, descending=True).values
             probs = sorted_rows.softmax(-1)
             before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
-            drop = before >= _column(rows, [p.top_p for p in ps])  # keep the smallest prefix reaching top_p
-            drop[:, 0] = False  # the likeliest token always (a top_p that rounds to 0 in float32 kept none)
-            return rows.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+            # The smallest prefix reaching top_p, the likeliest token always (a top_p that rounds
+            # to 0 in float32 kept none); by score, so tokens tied with the last one kept stay too.
+            kept = (before < _column(rows, [p.top_p for p in ps])).sum(-1, keepdim=True).clamp(min=1)
+            return rows.masked_fill(rows < sorted_rows.gather(1, kept - 1), float("-inf"))
 
         scores = _on_rows(scores, top_p, params, keep_top_p)
     if min_p := [i for i, p in enumerate(params) if p.min_p > 0]:
@@ -243,6 +245,100 @@ def filter_rows(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch
 
         scores = _on_rows(scores, min_p, params, keep_min_p)
     return scores
+
+
+@dataclass
+class FilterStats:
+    """Rows' filtered distributions in three numbers each: with s = logits / temperature (penalised
+    first), p_i = exp(s_i - log_norm) where s_i >= threshold, else 0 (every filter keeps the tokens
+    scoring at least some threshold); `finite` is False where the row has no distribution (NaN or
+    +inf logits, or nothing left)."""
+
+    threshold: torch.Tensor  # [R] the smallest kept score
+    log_norm: torch.Tensor  # [R] log of the kept tokens' sum of exp(s)
+    finite: torch.Tensor  # [R] bool
+
+    def probabilities(self, scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """The distributions themselves ([R, vocab]) from the rows' logits."""
+        s = scores / temperature[:, None]
+        return torch.where(s >= self.threshold[:, None], torch.exp(s - self.log_norm[:, None]), 0.0)
+
+
+def filter_stats(scores: torch.Tensor, params: Sequence[SamplingParams]) -> FilterStats:
+    """`FilterStats` of every row of `scores` ([R, vocab], none greedy) with its own parameters:
+    what `filter_rows` keeps, without writing the rows out (our CPU kernel: a pass or two over
+    each row, no sort; elsewhere `filter_rows` itself)."""
+    if _native(scores):
+        from kernels import native
+
+        columns = [[getattr(p, name) for p in params] for name in ("temperature", "top_k", "top_p", "min_p")]
+        temperature, top_k, top_p, min_p = (
+            torch.tensor(c, dtype=torch.int64 if name == "top_k" else torch.float32)
+            for c, name in zip(columns, ("temperature", "top_k", "top_p", "min_p"), strict=True))
+        return FilterStats(*native.op("filter_stats")(scores, temperature, top_k, top_p, min_p))
+    return filter_stats_reference(scores, params)
+
+
+def filter_stats_reference(scores: torch.Tensor, params: Sequence[SamplingParams]) -> FilterStats:
+    """`filter_stats` by `filter_rows` (what the kernel is tested against; any device)."""
+    filtered = filter_rows(scores, params)
+    scaled = scores / _column(scores, [p.temperature for p in params])
+    finite = ~(scaled.isnan() | (scaled == math.inf)).any(-1) & (scaled.amax(-1) > -math.inf)
+    threshold = filtered.masked_fill(filtered == -math.inf, math.inf).amin(-1)
+    return FilterStats(threshold, filtered.logsumexp(-1), finite)
+
+
+def argmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and the first index holding it (a NaN counts as the max, as in torch.argmax)."""
+    if _native(scores):
+        from kernels import native
+
+        return native.op("row_argmax")(scores)
+    return scores.max(-1)
+
+
+def sample_rows(scores: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, stats: FilterStats,
+                excluded: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """A token for each of `rows` of `scores`, by inverse CDF with its `uniform`, from its filtered
+    distribution (`stats`, one per selected row) without its `excluded` tokens ([N, W], -1: none),
+    renormalised (the whole distribution where they held all its mass)."""
+    if _native(scores):
+        from kernels import native
+
+        return native.op("sample_rows")(scores, rows, temperature, stats.threshold, stats.log_norm, excluded,
+                                        uniform)
+    p = stats.probabilities(scores[rows], temperature)
+    if excluded.numel():
+        tried = torch.zeros_like(p).scatter_add_(1, excluded.clamp(min=0), (excluded >= 0).to(p.dtype))  # pads add 0
+        rest = p.masked_fill(tried > 0, 0.0)
+        p = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)
+    return inverse_cdf(p, uniform)
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` (unnormalised), drawn with the row's uniform in [0, 1) (never
+    a token of probability 0: a rounding that lands past the end falls back to the row's likeliest)."""
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=probs.shape[-1] - 1)
+    return torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True)).flatten()
+
+
+def _native(scores: torch.Tensor) -> bool:
+    """Whether our CPU kernels take these rows (fp32 on a CPU, where they could be built)."""
+    if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2:
+        return False
+    return _kernels_built()
+
+
+@cache
+def _kernels_built() -> bool:
+    from kernels import native
+
+    try:
+        native.load()
+    except native.KernelBuildError:
+        return False
+    return True
 
 
 def _column(like: torch.Tensor, values: list, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,21 +1,11 @@
 """Verification: which drafted nodes the target accepts, and the token it adds after them.
 
-One algorithm serves greedy and sampling: lossless recursive rejection sampling over the
-tree (SpecInfer's multi-step speculative sampling; without replacement as in Recursive
-Speculative Decoding). Walk down from the root. At node u, with `p` the target's
-sampling distribution there (the request's penalties, temperature, top-k/p, min-p, with
-the path's tokens as history), try u's children in order:
-
-* a child drawn from a draft distribution `q` (the drafter sampled u's children from `q`
-  without replacement) is accepted with probability min(1, p(x) / q(x)); on rejection
-  p <- norm(max(p - q, 0)) and q loses x (renormalised) before the next child;
-* a child proposed deterministically (top-k, n-gram lookup, a merged tree) is the same
-  rule with q = a point mass on x: accepted with probability p(x); on rejection p loses x.
-
-The first accepted child is descended into. Where no child is accepted, or at a leaf, one
-more token is drawn from what is left of p: the bonus token. Every emitted token is thus
-distributed exactly as the target alone would sample it. Greedy is the case where p is
-one-hot at the argmax: the walk accepts exactly the children equal to the target's argmax.
+Lossless recursive rejection sampling over the tree (SpecInfer; without replacement as in
+Recursive Speculative Decoding): children are tried in order, one drawn from a draft q is
+accepted with min(1, p(x) / q(x)), a deterministic one with p(x); on rejection p keeps the
+residual, and where no child is accepted a bonus token is drawn from what is left. Greedy is p
+one-hot at the argmax. `verify` walks one tree (the oracle); `verify_batch` does a step's trees
+at once on the logits' device. Details: docs/design.md.
 """
 
 from __future__ import annotations
@@ -27,10 +17,14 @@ import torch
 
 from specserve.sampling import (
     NON_FINITE,
+    FilterStats,
     SamplingError,
     SamplingRow,
-    filter_rows,
+    argmax_rows,
+    filter_stats,
+    inverse_cdf,
     penalize,
+    sample_rows,
     sampling_distribution,
 )
 from specserve.tree import TokenTree
@@ -141,8 +135,9 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
     Greedy trees: every node's (penalised) argmax, then the host follows each root's first child
     equal to it. Sampled trees: their walks advance together, level by level, without waiting on
     the host: each walk's uniforms are drawn up front from its request's generator (one per
-    child, one for the bonus), and a level forms only the current nodes' distributions and their
-    chances of accepting each child (see `_sample`). The step reads the device once (argmax,
+    child, one for the bonus), every node's filtered distribution is summarised once (a threshold
+    and a normaliser: `sampling.FilterStats`), and a level takes p at the current nodes' children
+    for their chances of accepting (see `_sample`). The step reads the device once (argmax,
     decisions, bonus tokens), twice when logprobs are asked."""
     sizes = [len(c.tree) for c in candidates]
     if logits.shape[0] != sum(sizes):
@@ -187,13 +182,10 @@ def _greedy(batch: _Batch, scores: torch.Tensor, parts: dict[str, torch.Tensor])
     """The greedy candidates' nodes' (penalised) argmax, in `parts["bonus"]`: the host's walk
     accepts a node's first child equal to it and adds it where none is (`_Batch.walk`)."""
     at = None if len(batch.greedy) == len(batch.tokens) else batch.tensor(batch.greedy)
-    rows = scores if at is None else scores[at]
+    best, argmax = argmax_rows(scores if at is None else scores[at])
     where = slice(None) if at is None else at
     if "finite" in parts:
-        best, argmax = rows.max(-1)
         parts["finite"][where] = torch.isfinite(best).to(torch.int64)
-    else:
-        argmax = rows.argmax(-1)
     parts["bonus"][where] = argmax
 
 
@@ -290,16 +282,18 @@ class _Batch:
 def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor,
             parts: dict[str, torch.Tensor]) -> None:
     """The sampled candidates' walks, level by level and all at once (in place: `decision` of the
-    nodes they pass, `bonus` of the node each stops at). A level forms the distribution of each
-    walk's current node only and its chance of accepting each child, the earlier ones rejected;
-    where a walk stops, the bonus is drawn from what is left once all its children are
-    rejected: as `verify` does."""
+    nodes they pass, `bonus` of the node each stops at). Every node's filtered distribution is
+    summarised up front (`FilterStats`, one pass over each row); a level then needs only each
+    walk's current node's chances of accepting each child, the earlier ones rejected; where a
+    walk stops, the bonus is drawn from what is left once all its children are rejected: as
+    `verify` does."""
     walks = [b for b, c in enumerate(candidates) if not c.row.params.greedy]
-    params = [candidates[b].row.params for b in walks]
     depth = [max(candidates[b].tree.depths) for b in walks]
     width = max(len(kids) for b in walks for kids in candidates[b].tree.children) or 1
-    decision, bonus, finite = parts.get("decision"), parts["bonus"], parts["finite"]
+    decision, bonus = parts.get("decision"), parts["bonus"]
     nodes_of_walks = [u for b in walks for u in range(batch.offsets[b], batch.offsets[b] + len(candidates[b].tree))]
+    stats = _NodeStats.build(batch, candidates, nodes_of_walks, scores)
+    parts["finite"][batch.tensor(nodes_of_walks)] = stats.finite[batch.tensor(nodes_of_walks)].to(torch.int64)
     table = _ChildTable.build(batch, nodes_of_walks, width, scores.device)
     edge_u, bonus_u = _uniforms(batch, candidates)
     current = batch.tensor([batch.offsets[b] for b in walks])
@@ -308,9 +302,10 @@ def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor
         alive = [i for i, d in enumerate(depth) if d > level]  # a shallower tree's walk has surely stopped
         at = batch.tensor(alive)
         nodes = current[at]
-        p = filter_rows(scores[nodes], [params[i] for i in alive]).softmax(-1)
-        finite[nodes] = torch.isfinite(p.sum(-1)).to(torch.int64)  # NaN for any NaN or +inf logit
-        chance, _ = _chances(table, nodes, p)
+        if table.draft is None:
+            chance = _chances(table, nodes, stats.at(scores, nodes, table.tokens[nodes]))
+        else:
+            chance, _ = _drafted_chances(table, nodes, stats.rows(scores, nodes))
         kids = table.children[nodes]
         accepted = (edge_u[kids.clamp(min=0)] < chance) & (kids >= 0)
         found = accepted.any(1) & ~done[at]
@@ -319,11 +314,52 @@ def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor
             decision[nodes] = torch.where(found, first, decision[nodes])
         current[at] = torch.where(found, first, nodes)
         done[at] = ~found
-    p = filter_rows(scores[current], params).softmax(-1)
-    finite[current] = torch.isfinite(p.sum(-1)).to(torch.int64)
-    if max(depth) > 0:  # what is left of p once a stopped walk's children are all rejected
-        _, p = _chances(table, current, p, residual=True)
-    bonus[current] = _inverse_cdf(p, bonus_u[current])
+    if table.draft is None:  # what is left of p once a stopped walk's children are all rejected
+        tried = torch.where(table.children[current] >= 0, table.tokens[current], -1)
+        bonus[current] = sample_rows(scores, current, stats.temperature[current], stats.of(current), tried,
+                                     bonus_u[current])
+    else:
+        p = stats.rows(scores, current)
+        if max(depth) > 0:
+            _, p = _drafted_chances(table, current, p)
+        bonus[current] = inverse_cdf(p, bonus_u[current])
+
+
+@dataclass
+class _NodeStats:
+    """Every sampled node's filtered distribution (`FilterStats`), indexed by flat node (other
+    nodes' entries unused), and its temperature."""
+
+    temperature: torch.Tensor  # [nodes]
+    threshold: torch.Tensor
+    log_norm: torch.Tensor
+    finite: torch.Tensor
+
+    @classmethod
+    def build(cls, batch: _Batch, candidates: Sequence[Candidate], nodes: list[int], scores: torch.Tensor
+              ) -> _NodeStats:
+        params = [candidates[batch.owner[u]].row.params for u in nodes]
+        at = batch.tensor(nodes)
+        found = filter_stats(scores if len(nodes) == len(batch.tokens) else scores[at], params)
+        n = len(batch.tokens)
+        full = cls(*(torch.ones(n, dtype=t.dtype, device=scores.device) for t in
+                     (scores, found.threshold, found.log_norm, found.finite)))
+        full.temperature[at] = torch.tensor([p.temperature for p in params], dtype=scores.dtype, device=scores.device)
+        full.threshold[at], full.log_norm[at], full.finite[at] = found.threshold, found.log_norm, found.finite
+        return full
+
+    def of(self, nodes: torch.Tensor) -> FilterStats:
+        return FilterStats(self.threshold[nodes], self.log_norm[nodes], self.finite[nodes])
+
+    def at(self, scores: torch.Tensor, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """p(x) at each node for the given tokens ([nodes, width]): a gather, not a row."""
+        s = scores[nodes[:, None], tokens] / self.temperature[nodes][:, None]
+        keep = s >= self.threshold[nodes][:, None]
+        return torch.where(keep, torch.exp(s - self.log_norm[nodes][:, None]), 0.0)
+
+    def rows(self, scores: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """The nodes' whole distributions ([nodes, vocab])."""
+        return self.of(nodes).probabilities(scores[nodes], self.temperature[nodes])
 
 
 @dataclass
@@ -355,28 +391,17 @@ class _ChildTable:
         return cls(*(torch.tensor(t, device=device) for t in (children, tokens, fresh, draft_row)), draft)
 
 
-def _chances(table: _ChildTable, nodes: torch.Tensor, p: torch.Tensor, residual: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chances(table: _ChildTable, nodes: torch.Tensor, p_x: torch.Tensor) -> torch.Tensor:
     """Each node's chance of accepting each child, its earlier children rejected ([nodes, width]),
-    and with `residual` the distribution left once all are rejected (what the bonus is drawn from).
-
-    Children proposed deterministically: rejecting x leaves p without x, renormalised, so child
-    j is accepted with p(x_j) / (1 - the mass of the tokens rejected before it), 0 for a token
-    already rejected. Children sampled from a draft q without replacement: child after child,
-    min(1, p(x) / q(x)), then p <- norm(max(p - q, 0)) and q loses x."""
-    if table.draft is not None:  # some node's children were sampled (known on the host: no read)
-        return _drafted_chances(table, nodes, p)
-    tokens, live = table.tokens[nodes], table.children[nodes] >= 0
-    fresh = table.fresh[nodes] & live
-    p_x = p.gather(1, tokens) * fresh
+    children proposed deterministically, from p at their tokens (`p_x`): rejecting x leaves p
+    without x, renormalised, so child j is accepted with p(x_j) / (1 - the mass of the tokens
+    rejected before it), 0 for a token already rejected."""
+    fresh = table.fresh[nodes] & (table.children[nodes] >= 0)
+    p_x = p_x * fresh
     left = 1 - (p_x.cumsum(1) - p_x)  # the mass left after the earlier rejections
-    residual_x = torch.where(fresh & (left > 0), p_x / left.clamp(min=torch.finfo(p.dtype).tiny), 0.0)
-    chance = torch.as_tensor(accept_probability(residual_x, torch.ones_like(residual_x)), dtype=p.dtype,
-                             device=p.device).expand_as(residual_x)
-    if not residual:
-        return chance, None
-    tried = torch.zeros_like(p).scatter_add_(1, tokens, live.to(p.dtype))  # pads add nothing
-    return chance, _normalized(p.masked_fill(tried > 0, 0.0), p)
+    residual_x = torch.where(fresh & (left > 0), p_x / left.clamp(min=torch.finfo(p_x.dtype).tiny), 0.0)
+    return torch.as_tensor(accept_probability(residual_x, torch.ones_like(residual_x)), dtype=p_x.dtype,
+                           device=p_x.device).expand_as(residual_x)
 
 
 def _drafted_chances(table: _ChildTable, nodes: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,14 +432,6 @@ def _normalized(rest: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """Rows of `rest` over their sums; `fallback`'s rows where a sum is 0 (as `verify` does)."""
     total = rest.sum(-1, keepdim=True)
     return torch.where(total > 0, rest / total.clamp(min=torch.finfo(rest.dtype).tiny), fallback)
-
-
-def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs`, drawn with the row's uniform in [0, 1) (never a token of
-    probability 0: a rounding that lands past the end falls back to the row's likeliest)."""
-    cdf = probs.cumsum(-1)
-    drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp(max=probs.shape[-1] - 1)
-    return torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True)).flatten()
 
 
 def _uniforms(batch: _Batch, candidates: Sequence[Candidate]) -> tuple[torch.Tensor, torch.Tensor]:
