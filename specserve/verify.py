@@ -201,6 +201,7 @@ class _Batch:
     device: torch.device
     tokens: list[int]
     owner: list[int]  # candidate of each node
+    depth: list[int]  # of each node in its tree
     offsets: list[int]
     rows: dict[int, SamplingRow]  # penalised nodes' rows: the path's tokens in their history
     penalized: list[int]
@@ -213,13 +214,17 @@ class _Batch:
 
     @classmethod
     def build(cls, candidates: Sequence[Candidate], device: torch.device) -> _Batch:
-        batch = cls(device, [], [], [], {}, [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
+        batch = cls(device, [], [], [], [], {}, [], [], [], [], [], {}, [c.logprobs or 0 for c in candidates])
         for b, c in enumerate(candidates):
             base = len(batch.tokens)
             batch.offsets.append(base)
             batch.tokens += c.tree.tokens
             batch.owner += [b] * len(c.tree)
-            batch.children += [tuple(base + k for k in kids) for kids in c.tree.children]
+            batch.depth += c.tree.depths
+            if c.row.params.greedy:  # the host's walk reads its own tree
+                batch.children += [()] * len(c.tree)
+            else:
+                batch.children += [tuple(base + k for k in kids) for kids in c.tree.children]
             batch.draft_rows.update((base + u, q) for u, q in c.draft_probs.items())
             nodes = range(base, base + len(c.tree))
             params = c.row.params
@@ -245,27 +250,24 @@ class _Batch:
         """Alternatives per logprob node: the most any candidate asked for."""
         return max(self.logprobs_wanted[self.owner[u]] for u in self.logprob_nodes)
 
-    @staticmethod
-    def _next(c: Candidate, base: int, node: int, decision: list[int] | None, bonus: list[int]) -> int | None:
-        """The child a walk moves on to from `node` (None: it stops there)."""
-        if c.row.params.greedy:  # the first child equal to the node's argmax
-            return next((k for k in c.tree.children[node] if c.tree.tokens[k] == bonus[base + node]), None)
-        return decision[base + node] - base if decision is not None and decision[base + node] >= 0 else None
-
     def walk(self, decided: dict[str, list[int]], read: list[float],
              candidates: Sequence[Candidate]) -> list[Verdict]:
-        """Each candidate's path from its root by the nodes' decisions (on the host, from read 1)."""
+        """Each candidate's path from its root by the nodes' decisions (on the host, from read 1):
+        a greedy tree's first child equal to its node's argmax, a sampled one's decided child."""
         decision, bonus, finite, top_tokens = (decided.get(name) for name in ("decision", "bonus", "finite", "top"))
         where = {u: i for i, u in enumerate(self.logprob_nodes)}
         k, m = (self.top_k, len(self.logprob_nodes)) if self.logprob_nodes else (0, 0)
         verdicts = []
         for b, c in enumerate(candidates):
-            base, path, tokens = self.offsets[b], [0], []
-            while (child := self._next(c, base, path[-1], decision, bonus)) is not None:
-                tokens.append(c.tree.tokens[child])
-                path.append(child)
-            tokens.append(bonus[base + path[-1]])
-            verdict = Verdict(path, tokens)
+            base = self.offsets[b]
+            if c.row.params.greedy:
+                verdict = _verify_argmax(c.tree, bonus[base:base + len(c.tree)])
+            else:
+                path = [0]
+                while decision is not None and decision[base + path[-1]] >= 0:
+                    path.append(decision[base + path[-1]] - base)
+                verdict = Verdict(path, [*(c.tree.tokens[u] for u in path[1:]), bonus[base + path[-1]]])
+            path = verdict.path
             if finite is not None and not c.row.params.plain_greedy and not all(finite[base + u] for u in path):
                 verdict.error = SamplingError(NON_FINITE)
             if c.logprobs is not None:
@@ -281,48 +283,47 @@ class _Batch:
 
 def _sample(batch: _Batch, candidates: Sequence[Candidate], scores: torch.Tensor,
             parts: dict[str, torch.Tensor]) -> None:
-    """The sampled candidates' walks, level by level and all at once (in place: `decision` of the
-    nodes they pass, `bonus` of the node each stops at). Every node's filtered distribution is
-    summarised up front (`FilterStats`, one pass over each row); a level then needs only each
-    walk's current node's chances of accepting each child, the earlier ones rejected; where a
-    walk stops, the bonus is drawn from what is left once all its children are rejected: as
-    `verify` does."""
+    """The sampled candidates' walks, all at once (in place: `decision` of their inner nodes,
+    `bonus` of the node each walk stops at). With every edge's uniform drawn up front, which
+    child a node would descend into (its first accepted child, the earlier ones rejected) does
+    not depend on how the walk got there: it is decided for every inner node together, from
+    the nodes' filtered distributions (`FilterStats`, one pass over each row), and each walk's
+    stop node found by following those decisions from its root, log2(depth) gathers. The bonus
+    is drawn there from what is left once all its children are rejected: as `verify` does."""
     walks = [b for b, c in enumerate(candidates) if not c.row.params.greedy]
-    depth = [max(candidates[b].tree.depths) for b in walks]
-    width = max(len(kids) for b in walks for kids in candidates[b].tree.children) or 1
-    decision, bonus = parts.get("decision"), parts["bonus"]
     nodes_of_walks = [u for b in walks for u in range(batch.offsets[b], batch.offsets[b] + len(candidates[b].tree))]
+    inner = [u for u in nodes_of_walks if batch.children[u]]
     stats = _NodeStats.build(batch, candidates, nodes_of_walks, scores)
-    parts["finite"][batch.tensor(nodes_of_walks)] = stats.finite[batch.tensor(nodes_of_walks)].to(torch.int64)
-    table = _ChildTable.build(batch, nodes_of_walks, width, scores.device)
+    sampled = batch.tensor(nodes_of_walks)
+    parts["finite"][sampled] = stats.finite[sampled].to(torch.int64)
+    width = max((len(batch.children[u]) for u in inner), default=1)
+    table = _ChildTable.build(batch, inner, width, scores.device)
     edge_u, bonus_u = _uniforms(batch, candidates)
-    current = batch.tensor([batch.offsets[b] for b in walks])
-    done = torch.zeros(len(walks), dtype=torch.bool, device=scores.device)
-    for level in range(max(depth)):  # at the deepest level every node is a leaf
-        alive = [i for i, d in enumerate(depth) if d > level]  # a shallower tree's walk has surely stopped
-        at = batch.tensor(alive)
-        nodes = current[at]
+    stop = batch.tensor([batch.offsets[b] for b in walks])  # the roots
+    if inner:
+        nodes = batch.tensor(inner)
         if table.draft is None:
             chance = _chances(table, nodes, stats.at(scores, nodes, table.tokens[nodes]))
         else:
             chance, _ = _drafted_chances(table, nodes, stats.rows(scores, nodes))
         kids = table.children[nodes]
         accepted = (edge_u[kids.clamp(min=0)] < chance) & (kids >= 0)
-        found = accepted.any(1) & ~done[at]
         first = kids.gather(1, accepted.to(torch.uint8).argmax(1, keepdim=True)).flatten()
-        if decision is not None:
-            decision[nodes] = torch.where(found, first, decision[nodes])
-        current[at] = torch.where(found, first, nodes)
-        done[at] = ~found
+        descend = torch.where(accepted.any(1), first, -1)
+        parts["decision"][nodes] = descend
+        follow = torch.arange(len(batch.tokens), device=scores.device)
+        follow[nodes] = torch.where(descend >= 0, descend, nodes)
+        for _ in range(max(batch.depth[u] for u in nodes_of_walks).bit_length()):  # 2^k >= the deepest walk
+            follow = follow[follow]
+        stop = follow[stop]
     if table.draft is None:  # what is left of p once a stopped walk's children are all rejected
-        tried = torch.where(table.children[current] >= 0, table.tokens[current], -1)
-        bonus[current] = sample_rows(scores, current, stats.temperature[current], stats.of(current), tried,
-                                     bonus_u[current])
+        tried = torch.where(table.children[stop] >= 0, table.tokens[stop], -1)
+        bonus = sample_rows(scores, stop, stats.temperature[stop], stats.of(stop), tried, bonus_u[stop])
     else:
-        p = stats.rows(scores, current)
-        if max(depth) > 0:
-            _, p = _drafted_chances(table, current, p)
-        bonus[current] = inverse_cdf(p, bonus_u[current])
+        p = stats.rows(scores, stop)
+        _, p = _drafted_chances(table, stop, p)
+        bonus = inverse_cdf(p, bonus_u[stop])
+    parts["bonus"][stop] = bonus
 
 
 @dataclass

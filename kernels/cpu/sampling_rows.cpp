@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,41 +26,45 @@ void check_rows(const at::Tensor& x, const char* name) {
 }
 
 // The row's max and the first index holding it; a NaN counts as the max (its first one), as in
-// torch.argmax.
+// torch.argmax. One pass: each lane keeps its max and where it first saw it.
 std::tuple<float, int64_t> argmax_row(const float* row, int64_t n) {
   float best = -kInf;
-  int64_t i = 0;
+  int64_t at = -1, i = 0;
   bool nan = false;
 #if defined(__AVX512F__)
-  __m512 acc = _mm512_set1_ps(-kInf);
-  __mmask16 unordered = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(row + i);
-    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    acc = _mm512_max_ps(acc, v);
+  if (n >= 16) {
+    __m512 lane_best = _mm512_set1_ps(-kInf);
+    __m512i lane_at = _mm512_set1_epi32(-1), position = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                          13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 better = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+      lane_best = _mm512_mask_mov_ps(lane_best, better, v);
+      lane_at = _mm512_mask_mov_epi32(lane_at, better, position);
+      position = _mm512_add_epi32(position, step);
+    }
+    nan = unordered != 0;
+    alignas(64) float values[16];
+    alignas(64) int32_t where[16];
+    _mm512_store_ps(values, lane_best);
+    _mm512_store_si512(where, lane_at);
+    for (int j = 0; j < 16; ++j)  // the largest, then the earliest
+      if (where[j] >= 0 && (values[j] > best || (values[j] == best && where[j] < at))) best = values[j], at = where[j];
   }
-  best = _mm512_reduce_max_ps(acc);
-  nan = unordered != 0;
 #endif
   for (; i < n; ++i) {
     nan |= std::isnan(row[i]);
-    best = row[i] > best ? row[i] : best;
+    if (row[i] > best || at < 0) best = row[i], at = i;
   }
   if (nan) {
     for (int64_t j = 0; j < n; ++j)
       if (std::isnan(row[j])) return {row[j], j};
   }
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 target = _mm512_set1_ps(best);
-  for (; j + 16 <= n; j += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), target, _CMP_EQ_OQ);
-    if (hit) return {best, j + __builtin_ctz(hit)};
-  }
-#endif
-  for (; j < n; ++j)
-    if (row[j] == best) return {best, j};
-  return {best, 0};  // every value -inf... and none equal: cannot happen, the max is one of them
+  if (best == -kInf) return {best, 0};  // every value -inf: the first, as torch
+  return {best, at};
 }
 
 std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x) {
@@ -84,33 +89,119 @@ inline uint32_t order_key(float f) {
   return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
 }
 
-// The largest key t for which keep(t) holds, keep monotone (true at 0): a binary search over
-// the 32-bit key space, so the threshold is found exactly without sorting the row.
-template <typename Keep>
-uint32_t largest_key(Keep keep) {
-  uint64_t lo = 0, hi = uint64_t{1} << 32;  // keep(lo) holds, keep(hi) does not
-  while (hi - lo > 1) {
-    const uint64_t mid = lo + (hi - lo) / 2;
-    if (keep(static_cast<uint32_t>(mid))) lo = mid; else hi = mid;
-  }
-  return static_cast<uint32_t>(lo);
+#if defined(__AVX512F__)
+// exp(x) for x <= 0, 16 lanes: the polynomial of fixed_order.h's exp_in_place.
+inline __m512 exp16(__m512 x) {
+  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), v);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
+#endif
 
-int64_t count_at_least(const uint32_t* keys, int64_t n, uint32_t t) {
-  int64_t count = 0;
-  for (int64_t i = 0; i < n; ++i) count += keys[i] >= t;
-  return count;
-}
+constexpr float kCutoff = -87.f;  // exp below it is outside float's normal range: counted as 0
 
-float mass_at_least(const uint32_t* keys, const float* weights, int64_t n, uint32_t t) {
-  float lanes[specserve::kLanes] = {0};
+// weights[i] = exp(scores[i] - top) (0 below the cutoff, -inf included); returns their sum.
+float weigh(const float* scores, int64_t n, float top, float* weights) {
   int64_t i = 0;
-  for (; i + specserve::kLanes <= n; i += specserve::kLanes)
-    for (int j = 0; j < specserve::kLanes; ++j) lanes[j] += keys[i + j] >= t ? weights[i + j] : 0.f;
-  for (int j = 0; i < n; ++i, ++j) lanes[j] += keys[i] >= t ? weights[i] : 0.f;
   float total = 0.f;
-  for (float lane : lanes) total += lane;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(top), cutoff = _mm512_set1_ps(kCutoff);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(scores + i), shift);
+    const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, cutoff, _CMP_GE_OQ), exp16(d));
+    if (weights) _mm512_storeu_ps(weights + i, w);
+    acc = _mm512_add_ps(acc, w);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    const float d = scores[i] - top;
+    const float w = d >= kCutoff ? specserve::exp_poly(d) : 0.f;
+    if (weights) weights[i] = w;
+    total += w;
+  }
   return total;
+}
+
+// scores[i] = row[i] / temperature; returns (max, smallest score above -inf, whether any is NaN or +inf).
+std::tuple<float, float, bool> scale(const float* row, int64_t n, float temperature, float* scores) {
+  float top = -kInf, bottom = kInf;
+  bool bad = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 t = _mm512_set1_ps(temperature), inf = _mm512_set1_ps(kInf), ninf = _mm512_set1_ps(-kInf);
+  __m512 hi = ninf, lo = inf;
+  __mmask16 wrong = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 s = _mm512_div_ps(_mm512_loadu_ps(row + i), t);
+    _mm512_storeu_ps(scores + i, s);
+    wrong |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(s, inf, _CMP_EQ_OQ);
+    hi = _mm512_max_ps(hi, s);
+    lo = _mm512_mask_min_ps(lo, _mm512_cmp_ps_mask(s, ninf, _CMP_GT_OQ), lo, s);
+  }
+  top = _mm512_reduce_max_ps(hi);
+  bottom = _mm512_reduce_min_ps(lo);
+  bad = wrong != 0;
+#endif
+  for (; i < n; ++i) {
+    const float s = row[i] / temperature;
+    scores[i] = s;
+    bad |= std::isnan(s) || s == kInf;
+    top = s > top ? s : top;
+    if (s > -kInf && s < bottom) bottom = s;
+  }
+  return {top, bottom, bad};
+}
+
+// The largest key t with `amount(key >= t) >= want` among the candidates (indices into keys):
+// a radix select, 11 bits a level (sign, exponent and the top mantissa bits first), each level
+// scanning only the bucket the answer is in. With counts (weights null) that is the want-th
+// largest key; with weights, the smallest set of largest keys holding `want` of the mass. The
+// answer is always some candidate's key.
+uint32_t select_key(const uint32_t* keys, const float* weights, std::vector<int32_t>& candidates, double want,
+                    std::vector<int32_t>& next) {
+  constexpr int kShifts[] = {21, 10, 0};
+  constexpr uint32_t kMasks[] = {2047u, 2047u, 1023u};
+  uint32_t prefix = 0;
+  std::vector<double> amount(2048);
+  std::vector<int64_t> members(2048);
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kShifts[level];
+    const uint32_t mask = kMasks[level];
+    std::fill(amount.begin(), amount.begin() + mask + 1, 0.0);
+    std::fill(members.begin(), members.begin() + mask + 1, 0);
+    for (int32_t i : candidates) {
+      const uint32_t digit = (keys[i] >> shift) & mask;
+      amount[digit] += weights ? weights[i] : 1.0;
+      ++members[digit];
+    }
+    uint32_t bucket = mask;
+    double above = 0.0;  // held by the buckets above
+    for (; bucket > 0; --bucket) {
+      if (above + amount[bucket] >= want) break;
+      above += amount[bucket];
+    }
+    want -= above;
+    prefix |= bucket << shift;
+    if (members[bucket] == static_cast<int64_t>(candidates.size())) continue;  // all in it: nothing to drop
+    next.clear();
+    for (int32_t i : candidates)
+      if (((keys[i] >> shift) & mask) == bucket) next.push_back(i);
+    candidates.swap(next);
+  }
+  return prefix;
 }
 
 struct RowFilter {
@@ -120,59 +211,60 @@ struct RowFilter {
   float min_p;    // 0: off
 };
 
+struct Buffers {
+  std::vector<float> scores, weights;
+  std::vector<uint32_t> keys;
+  std::vector<int32_t> candidates, next;
+  explicit Buffers(int64_t n) : scores(n), weights(n), keys(n) {
+    candidates.reserve(n);
+    next.reserve(n);
+  }
+};
+
 // One row's filtered distribution, as specserve/sampling.py's filter_rows defines it: the
 // scores x / temperature, then top-k, top-p and min-p, each keeping the tokens whose score is
-// at least a threshold. Returns that threshold (the smallest kept score), the log of the kept
-// tokens' normaliser (p_i = exp(s_i - log_norm) for s_i >= threshold) and whether the row is
-// finite (no NaN, no +inf, something left).
-std::tuple<float, float, bool> filter_row(const float* row, int64_t n, const RowFilter& f, float* scores,
-                                          float* weights, uint32_t* keys) {
-  float top = -kInf;
-  bool bad = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const float s = row[i] / f.temperature;
-    scores[i] = s;
-    bad |= std::isnan(s) || s == kInf;
-    top = s > top ? s : top;
-  }
+// at least a threshold. Returns that threshold (the smallest kept score above -inf), the log
+// of the kept tokens' normaliser (p_i = exp(s_i - log_norm) for s_i >= threshold) and whether
+// the row is finite (no NaN, no +inf, something left).
+std::tuple<float, float, bool> filter_row(const float* row, int64_t n, const RowFilter& f, Buffers& b) {
+  float* scores = b.scores.data();
+  const auto [top, bottom, bad] = scale(row, n, f.temperature, scores);
   if (bad || top == -kInf) return {kInf, kInf, false};
-  for (int64_t i = 0; i < n; ++i) weights[i] = scores[i] - top;
-  specserve::exp_in_place(weights, n);
-  for (int64_t i = 0; i < n; ++i) {
-    if (scores[i] - top < -87.f) weights[i] = 0.f;  // below float's normal range (and -inf): nothing
-    keys[i] = order_key(scores[i]);
-  }
+  const bool top_k = f.top_k > 0 && f.top_k < n, top_p = f.top_p < 1.f, min_p = f.min_p > 0.f;
+  if (!top_k && !top_p && !min_p) return {bottom, top + std::log(weigh(scores, n, top, nullptr)), true};
+  float* weights = b.weights.data();
+  uint32_t* keys = b.keys.data();
+  weigh(scores, n, top, weights);
+  for (int64_t i = 0; i < n; ++i) keys[i] = order_key(scores[i]);
   uint32_t floor = 0;  // keys below it are filtered out
-  if (f.top_k > 0 && f.top_k < n) {
-    floor = largest_key([&](uint32_t t) { return count_at_least(keys, n, t) >= f.top_k; });
+  if (top_k) {
+    b.candidates.resize(n);
+    for (int64_t i = 0; i < n; ++i) b.candidates[i] = static_cast<int32_t>(i);
+    floor = select_key(keys, nullptr, b.candidates, static_cast<double>(f.top_k), b.next);
   }
-  if (f.top_p < 1.f) {
-    const float kept = mass_at_least(keys, weights, n, floor);
-    const float reach = f.top_p * kept;  // the smallest set of likeliest tokens holding top_p of it
-    const uint32_t p_floor = largest_key([&](uint32_t t) {
-      return t <= floor || mass_at_least(keys, weights, n, t) >= reach;
-    });
-    floor = p_floor > floor ? p_floor : floor;
+  if (top_p) {
+    b.candidates.clear();
+    double kept = 0.0;
+    for (int64_t i = 0; i < n; ++i)
+      if (keys[i] >= floor) {
+        b.candidates.push_back(static_cast<int32_t>(i));
+        kept += weights[i];
+      }
+    floor = select_key(keys, weights, b.candidates, f.top_p * kept, b.next);  // never below floor: all candidates
   }
   // The smallest kept score, and min-p's floor: probability at least min_p times the likeliest's
   // (whose weight is 1).
   float threshold = kInf;
   for (int64_t i = 0; i < n; ++i)
-    if (keys[i] >= floor && (f.min_p <= 0.f || weights[i] >= f.min_p) && scores[i] < threshold) threshold = scores[i];
-  float lanes[specserve::kLanes] = {0};
-  for (int64_t i = 0; i < n; ++i) lanes[i % specserve::kLanes] += scores[i] >= threshold ? weights[i] : 0.f;
+    if (keys[i] >= floor && (!min_p || weights[i] >= f.min_p) && scores[i] < threshold && scores[i] > -kInf)
+      threshold = scores[i];
   float total = 0.f;
-  for (float lane : lanes) total += lane;
+  for (int64_t i = 0; i < n; ++i) total += scores[i] >= threshold ? weights[i] : 0.f;
   return {threshold, top + std::log(total), true};
 }
 
-RowFilter row_filter(const float* temperature, const int64_t* top_k, const float* top_p, const float* min_p,
-                     int64_t r) {
-  return {temperature[r], top_k[r], top_p[r], min_p[r]};
-}
-
-void check_params(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& top_k,
-                  const at::Tensor& top_p, const at::Tensor& min_p, int64_t rows) {
+void check_params(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                  const at::Tensor& min_p, int64_t rows) {
   TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
                   min_p.scalar_type() == at::kFloat && top_k.scalar_type() == at::kLong,
               "filter parameters: float32 temperature, top_p, min_p and int64 top_k");
@@ -187,25 +279,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> filter_stats(const at::Tensor& x,
                                                             const at::Tensor& min_p) {
   check_rows(x, "filter_stats");
   const int64_t rows = x.size(0), vocab = x.size(1);
-  check_params(x, temperature, top_k, top_p, min_p, rows);
+  check_params(temperature, top_k, top_p, min_p, rows);
   const at::Tensor xc = x.contiguous(), tc = temperature.contiguous(), kc = top_k.contiguous();
   const at::Tensor pc = top_p.contiguous(), mc = min_p.contiguous();
   at::Tensor threshold = at::empty({rows}, x.options()), log_norm = at::empty({rows}, x.options());
   at::Tensor finite = at::empty({rows}, x.options().dtype(at::kBool));
   const float* xp = xc.data_ptr<float>();
+  const float *tp = tc.data_ptr<float>(), *pp = pc.data_ptr<float>(), *mp = mc.data_ptr<float>();
+  const int64_t* kp = kc.data_ptr<int64_t>();
   float *thp = threshold.data_ptr<float>(), *lp = log_norm.data_ptr<float>();
   bool* fp = finite.data_ptr<bool>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(vocab), weights(vocab + specserve::kExpPad);
-    std::vector<uint32_t> keys(vocab);
-    for (int64_t r = begin; r < end; ++r) {
-      const RowFilter f = row_filter(tc.data_ptr<float>(), kc.data_ptr<int64_t>(), pc.data_ptr<float>(),
-                                     mc.data_ptr<float>(), r);
-      std::tie(thp[r], lp[r], fp[r]) = filter_row(xp + r * vocab, vocab, f, scores.data(), weights.data(), keys.data());
-    }
+    Buffers buffers(vocab);
+    for (int64_t r = begin; r < end; ++r)
+      std::tie(thp[r], lp[r], fp[r]) = filter_row(xp + r * vocab, vocab, {tp[r], kp[r], pp[r], mp[r]}, buffers);
   });
   return {threshold, log_norm, finite};
 }
+
+constexpr int64_t kChunk = 256;  // the inverse CDF finds the chunk first, then the token in it
 
 // One token per selected row, drawn by inverse CDF with its uniform from the filtered
 // distribution (threshold and log_norm from filter_stats) without the row's `excluded` tokens
@@ -226,48 +318,64 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& rows, const at::Te
   const at::Tensor tc = temperature.contiguous().to(at::kFloat), hc = threshold.contiguous().to(at::kFloat);
   const at::Tensor lc = log_norm.contiguous().to(at::kFloat), uc = uniform.contiguous().to(at::kFloat);
   at::Tensor out = at::empty({count}, rows.options());
-  const int64_t width = excluded.size(1);
+  const int64_t width = excluded.size(1), chunks = (vocab + kChunk - 1) / kChunk;
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(vocab + specserve::kExpPad);
+    std::vector<float> scores(vocab), p(vocab), chunk_mass(chunks);
+    std::vector<float> held(width);
     for (int64_t k = begin; k < end; ++k) {
       const int64_t r = rc.data_ptr<int64_t>()[k];
       TORCH_CHECK(r >= 0 && r < x.size(0), "sample_rows: row out of range");
-      const float* row = xc.data_ptr<float>() + r * vocab;
-      const float t = tc.data_ptr<float>()[k], floor = hc.data_ptr<float>()[k], norm = lc.data_ptr<float>()[k];
-      for (int64_t i = 0; i < vocab; ++i) {
-        const float s = row[i] / t;
-        p[i] = s >= floor ? s - norm : -kInf;
-      }
-      specserve::exp_in_place(p.data(), vocab);
-      for (int64_t i = 0; i < vocab; ++i)
-        if (!(row[i] / t >= floor)) p[i] = 0.f;
+      const float floor = hc.data_ptr<float>()[k], norm = lc.data_ptr<float>()[k];
+      scale(xc.data_ptr<float>() + r * vocab, vocab, tc.data_ptr<float>()[k], scores.data());
+      weigh(scores.data(), vocab, norm, p.data());
+      for (int64_t i = 0; i < vocab; ++i) p[i] = scores[i] >= floor ? p[i] : 0.f;
       const int64_t* skip = ec.data_ptr<int64_t>() + k * width;
-      float removed = 0.f, total = 0.f;
-      std::vector<float> held(width, 0.f);
       for (int64_t j = 0; j < width; ++j) {
         const int64_t token = skip[j];
-        if (token >= 0 && token < vocab && p[token] > 0.f) {
-          held[j] = p[token];
-          removed += p[token];
-          p[token] = 0.f;
-        }
+        held[j] = token >= 0 && token < vocab ? p[token] : 0.f;
+        if (held[j] > 0.f) p[token] = 0.f;
       }
-      for (int64_t i = 0; i < vocab; ++i) total += p[i];
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        float mass = 0.f;
+        for (int64_t i = c * kChunk; i < std::min(vocab, (c + 1) * kChunk); ++i) mass += p[i];
+        chunk_mass[c] = mass;
+        total += mass;
+      }
       if (!(total > 0.f)) {  // the excluded tokens held it all: the whole distribution again
         for (int64_t j = 0; j < width; ++j)
           if (held[j] > 0.f) p[skip[j]] = held[j];
-        total = removed;
+        total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          float mass = 0.f;
+          for (int64_t i = c * kChunk; i < std::min(vocab, (c + 1) * kChunk); ++i) mass += p[i];
+          chunk_mass[c] = mass;
+          total += mass;
+        }
       }
       const float target = uc.data_ptr<float>()[k] * total;
       float running = 0.f;
-      int64_t drawn = -1, likeliest = 0;
-      for (int64_t i = 0; i < vocab; ++i) {
-        if (p[i] > p[likeliest]) likeliest = i;
-        running += p[i];
-        if (drawn < 0 && p[i] > 0.f && running > target) drawn = i;
+      int64_t drawn = -1;
+      for (int64_t c = 0; c < chunks && drawn < 0; ++c) {
+        if (running + chunk_mass[c] <= target) {
+          running += chunk_mass[c];
+          continue;
+        }
+        for (int64_t i = c * kChunk; i < std::min(vocab, (c + 1) * kChunk); ++i) {
+          running += p[i];
+          if (p[i] > 0.f && running > target) {
+            drawn = i;
+            break;
+          }
+        }
       }
-      op[k] = drawn >= 0 ? drawn : likeliest;  // rounding ran past the end: the likeliest
+      if (drawn < 0) {  // rounding ran past the end: the likeliest
+        drawn = 0;
+        for (int64_t i = 1; i < vocab; ++i)
+          if (p[i] > p[drawn]) drawn = i;
+      }
+      op[k] = drawn;
     }
   });
   return out;
