@@ -89,49 +89,26 @@ inline uint32_t order_key(float f) {
   return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
 }
 
-#if defined(__AVX512F__)
-// exp(x) for x <= 0, 16 lanes: the polynomial of fixed_order.h's exp_in_place.
-inline __m512 exp16(__m512 x) {
-  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), v);
-  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
-#endif
-
 constexpr float kCutoff = -87.f;  // exp below it is outside float's normal range: counted as 0
 
-// weights[i] = exp(scores[i] - top) (0 below the cutoff, -inf included); returns their sum.
+// weights[i] = exp(scores[i] - top) (0 below the cutoff, -inf included), into `weights` when
+// given; returns their sum. A block at a time through fixed_order.h's vectorised exp.
 float weigh(const float* scores, int64_t n, float top, float* weights) {
-  int64_t i = 0;
+  constexpr int64_t kBlock = 256;
+  alignas(64) float block[kBlock + specserve::kExpPad];
+  float lanes[specserve::kLanes] = {0};
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t size = std::min(kBlock, n - start);
+    for (int64_t i = 0; i < size; ++i) block[i] = std::max(scores[start + i] - top, kCutoff);
+    specserve::exp_in_place(block, size);
+    for (int64_t i = 0; i < size; ++i) block[i] = scores[start + i] - top >= kCutoff ? block[i] : 0.f;
+    for (int64_t i = size; i % specserve::kLanes; ++i) block[i] = 0.f;  // the last block's padding
+    for (int64_t i = 0; i < size; i += specserve::kLanes)
+      for (int j = 0; j < specserve::kLanes; ++j) lanes[j] += block[i + j];
+    if (weights) std::copy(block, block + size, weights + start);
+  }
   float total = 0.f;
-#if defined(__AVX512F__)
-  const __m512 shift = _mm512_set1_ps(top), cutoff = _mm512_set1_ps(kCutoff);
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(scores + i), shift);
-    const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, cutoff, _CMP_GE_OQ), exp16(d));
-    if (weights) _mm512_storeu_ps(weights + i, w);
-    acc = _mm512_add_ps(acc, w);
-  }
-  total = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) {
-    const float d = scores[i] - top;
-    const float w = d >= kCutoff ? specserve::exp_poly(d) : 0.f;
-    if (weights) weights[i] = w;
-    total += w;
-  }
+  for (float lane : lanes) total += lane;
   return total;
 }
 
