@@ -259,7 +259,7 @@ class FilterStats:
     finite: torch.Tensor  # [R] bool
 
     def probabilities(self, scores: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-        """The distributions themselves ([R, vocab]) from the rows' logits."""
+        """p of the given logits of each row ([R, k]: whole rows, or some tokens' logits)."""
         s = scores / temperature[:, None]
         return torch.where(s >= self.threshold[:, None], torch.exp(s - self.log_norm[:, None]), 0.0)
 

@@ -133,11 +133,11 @@ def verify_batch(candidates: Sequence[Candidate], logits: torch.Tensor) -> list[
     """`verify` for every candidate at once, as tensor ops on the logits' device (`logits`: the
     candidates' node rows in order, [total nodes, vocab]); the same algorithm and distribution.
     Greedy trees: every node's (penalised) argmax, then the host follows each root's first child
-    equal to it. Sampled trees: their walks advance together, level by level, without waiting on
-    the host: each walk's uniforms are drawn up front from its request's generator (one per
-    child, one for the bonus), every node's filtered distribution is summarised once (a threshold
-    and a normaliser: `sampling.FilterStats`), and a level takes p at the current nodes' children
-    for their chances of accepting (see `_sample`). The step reads the device once (argmax,
+    equal to it. Sampled trees: all walks at once, without waiting on the host: each walk's
+    uniforms are drawn up front from its request's generator (one per child, one for the bonus),
+    every node's filtered distribution is summarised (a threshold and a normaliser:
+    `sampling.FilterStats`), every inner node's descent decided from p at its children, and each
+    walk's stop found by following them (see `_sample`). The step reads the device once (argmax,
     decisions, bonus tokens), twice when logprobs are asked."""
     sizes = [len(c.tree) for c in candidates]
     if logits.shape[0] != sum(sizes):
@@ -354,9 +354,7 @@ class _NodeStats:
 
     def at(self, scores: torch.Tensor, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """p(x) at each node for the given tokens ([nodes, width]): a gather, not a row."""
-        s = scores[nodes[:, None], tokens] / self.temperature[nodes][:, None]
-        keep = s >= self.threshold[nodes][:, None]
-        return torch.where(keep, torch.exp(s - self.log_norm[nodes][:, None]), 0.0)
+        return self.of(nodes).probabilities(scores[nodes[:, None], tokens], self.temperature[nodes])
 
     def rows(self, scores: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         """The nodes' whole distributions ([nodes, vocab])."""

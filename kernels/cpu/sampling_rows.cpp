@@ -166,8 +166,8 @@ uint32_t select_key(const uint32_t* keys, const float* weights, std::vector<int3
     }
     uint32_t bucket = mask;
     double above = 0.0;  // held by the buckets above
-    for (; bucket > 0; --bucket) {
-      if (above + amount[bucket] >= want) break;
+    for (; bucket > 0; --bucket) {  // the highest bucket holding a candidate that reaches it
+      if (members[bucket] && above + amount[bucket] >= want) break;
       above += amount[bucket];
     }
     want -= above;

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_block_matmul.py", "tests/kernels/test_cpu_attention.py",
-                "tests/kernels/test_rms_norm.py", "tests/kernels/test_rope_kv.py", "tests/kernels/test_sampling_rows.py"]
+                "tests/kernels/test_rms_norm.py", "tests/kernels/test_rope_kv.py",
+                "tests/kernels/test_sampling_rows.py"]
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 instruction sets")

@@ -37,6 +37,7 @@ FILTERS = [
     SamplingParams(temperature=0.9, min_p=0.05),
     SamplingParams(temperature=0.5, top_k=50, top_p=0.9, min_p=0.02),
     SamplingParams(temperature=2.0, top_p=1e-9),  # the likeliest token alone
+    SamplingParams(temperature=1.0, top_p=5e-324),  # 0 in float32: still the likeliest token
     SamplingParams(temperature=1.0, top_k=1),
 ]
 
