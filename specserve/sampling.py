@@ -271,12 +271,16 @@ def filter_stats(scores: torch.Tensor, params: Sequence[SamplingParams]) -> Filt
     if _native(scores):
         from kernels import native
 
-        columns = [[getattr(p, name) for p in params] for name in ("temperature", "top_k", "top_p", "min_p")]
-        temperature, top_k, top_p, min_p = (
-            torch.tensor(c, dtype=torch.int64 if name == "top_k" else torch.float32)
-            for c, name in zip(columns, ("temperature", "top_k", "top_p", "min_p"), strict=True))
-        return FilterStats(*native.op("filter_stats")(scores, temperature, top_k, top_p, min_p))
+        return FilterStats(*native.op("filter_stats")(scores, *filter_columns(params)))
     return filter_stats_reference(scores, params)
+
+
+def filter_columns(params: Sequence[SamplingParams]) -> tuple[torch.Tensor, ...]:
+    """The rows' temperature, top_k, top_p and min_p as the CPU kernel takes them (on the host)."""
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32))
 
 
 def filter_stats_reference(scores: torch.Tensor, params: Sequence[SamplingParams]) -> FilterStats:

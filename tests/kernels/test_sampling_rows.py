@@ -7,16 +7,13 @@ import pytest
 import torch
 
 from kernels import native
-from specserve.sampling import FilterStats, SamplingParams, filter_rows, filter_stats_reference
+from specserve.sampling import FilterStats, SamplingParams, filter_columns, filter_rows, filter_stats_reference
 
 VOCAB = 1000
 
 
 def native_stats(scores: torch.Tensor, params: list[SamplingParams]) -> FilterStats:
-    columns = {name: [getattr(p, name) for p in params] for name in ("temperature", "top_k", "top_p", "min_p")}
-    return FilterStats(*native.op("filter_stats")(
-        scores, torch.tensor(columns["temperature"]), torch.tensor(columns["top_k"], dtype=torch.int64),
-        torch.tensor(columns["top_p"]), torch.tensor(columns["min_p"])))
+    return FilterStats(*native.op("filter_stats")(scores, *filter_columns(params)))
 
 
 def test_argmax_is_torchs_first_index_of_the_max_nans_included():
