@@ -442,7 +442,117 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
+// Rows a tile computes at once: six rows' accumulators and the tile's codes fill the 32 registers.
+template <int Bits>
+constexpr int tile_row_count() { return 6; }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// The same tiles on AVX2, each 64-byte vector as two halves of 8 outputs. Without dpbusd the
+// products go through maddubs (int16 pairs) and are summed as int16 over several vectors before
+// one madd widens them: exact while no int16 sum can pass 32767 (4-bit codes: 8 vectors,
+// 8 x 2 x 15 x 127 = 30480; 5-bit: 4 vectors; 8-bit codes as two 4-bit halves, 16 x hi + lo).
+// The float work per group is the AVX-512 path's, lane for lane: the same bits on both.
+
+// Fifth bits of 32 lane bytes (bits of one half of a mask) as 0x10 where set.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i broadcast_word(const int8_t* x, int k) {
+  return _mm256_set1_epi32(reinterpret_cast<const int32_t*>(x)[k]);
+}
+
+template <int Bits, int R>
+void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
+               int64_t m, float* y, int64_t ldy) {
+  const int64_t K = groups * 32;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
+  const float* xs = a.scale.data_ptr<float>() + m * groups;
+  const float* xsum = a.sums.data_ptr<float>() + m * groups;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c = codes + g * tile_group_bytes<Bits>();
+    for (int line = 0; line < tile_group_bytes<Bits>(); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(c + kAheadGroups * tile_group_bytes<Bits>() + line), _MM_HINT_T0);
+    if (g % 2 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(scale + (g + kAheadGroups) * kTile), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(min + (g + kAheadGroups) * kTile), _MM_HINT_T0);
+    }
+    // lo: products of vectors 0-3 (4- and 5-bit) or of the low nibbles (8-bit); hi: the rest.
+    // 4-bit codes sum all eight vectors in lo.
+    __m256i lo[R][2], hi[R][2];
+    for (int r = 0; r < R; ++r) lo[r][0] = lo[r][1] = hi[r][0] = hi[r][1] = _mm256_setzero_si256();
+    const int8_t* xg = xq + g * 32;
+    if constexpr (Bits <= 5) {
+      for (int k = 0; k < 4; ++k) {
+        __m256i wl[2], wh[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * k + 32 * h));
+          wl[h] = _mm256_and_si256(packed, low4);
+          wh[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+          if constexpr (Bits == 5) {
+            const uint32_t* high = reinterpret_cast<const uint32_t*>(c + 256);  // mask k: words 2k, 2k + 1
+            wl[h] = _mm256_or_si256(wl[h], fifth_bits(high[2 * k + h]));
+            wh[h] = _mm256_or_si256(wh[h], fifth_bits(high[2 * (k + 4) + h]));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xl = broadcast_word(xg + r * K, k), xh = broadcast_word(xg + r * K, k + 4);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i pl = _mm256_maddubs_epi16(wl[h], xl), ph = _mm256_maddubs_epi16(wh[h], xh);
+            if constexpr (Bits == 4) {
+              lo[r][h] = _mm256_add_epi16(lo[r][h], _mm256_add_epi16(pl, ph));
+            } else {
+              lo[r][h] = _mm256_add_epi16(lo[r][h], pl);
+              hi[r][h] = _mm256_add_epi16(hi[r][h], ph);
+            }
+          }
+        }
+      }
+    } else {
+      for (int k = 0; k < 8; ++k) {
+        __m256i wl[2], wh[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * k + 32 * h));
+          wl[h] = _mm256_and_si256(raw, low4);
+          wh[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = broadcast_word(xg + r * K, k);
+          for (int h = 0; h < 2; ++h) {
+            lo[r][h] = _mm256_add_epi16(lo[r][h], _mm256_maddubs_epi16(wl[h], x));
+            hi[r][h] = _mm256_add_epi16(hi[r][h], _mm256_maddubs_epi16(wh[h], x));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g * kTile + 8 * h)));
+      const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(min + g * kTile + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        __m256i dot = _mm256_madd_epi16(lo[r][h], ones);
+        if constexpr (Bits == 5) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(hi[r][h], ones));
+        if constexpr (Bits == 8) dot = _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(hi[r][h], ones), 4));
+        const __m256 factor = _mm256_mul_ps(ws, _mm256_set1_ps(xs[r * groups + g]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), factor, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xsum[r * groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * ldy + 8 * h, acc[r][h]);
+}
+// Four rows' int16 sums fit the 16 registers beside the codes; two where codes keep two sums.
+template <int Bits>
+constexpr int tile_row_count() { return Bits == 4 ? 4 : 2; }
 #else
+template <int Bits>
+constexpr int tile_row_count() { return 4; }
 template <int Bits, int R>
 void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
                int64_t m, float* y, int64_t ldy) {
@@ -481,7 +591,7 @@ void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor&
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
-  constexpr int kRows = 6;  // six rows' accumulators and the tile's codes fill the 32 vector registers
+  constexpr int kRows = tile_row_count<Bits>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();

@@ -26,8 +26,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KQ_WIDE 1
+#define KQ_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KQ_WIDE 0
+#define KQ_AVX2 1
 #else
 #define KQ_WIDE 0
+#define KQ_AVX2 0
 #endif
 
 namespace {
@@ -380,7 +386,134 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
+// Rows a tile computes at once: six rows' accumulators and a sub-block's codes fill the 32 registers.
+template <int Bits>
+constexpr int ktile_row_count() { return 6; }
+#elif KQ_AVX2
+// The same tiles on AVX2, each 64-byte vector as two halves of 8 outputs, one half after the
+// other per super-block (the second reads the codes from L1). maddubs gives int16 pairs, summed
+// as int16 while they cannot pass 32767 (Q4_K: a sub-block's 8 vectors, 8 x 2 x 15 x 127 = 30480;
+// Q6_K: 2 vectors, 2 x 2 x 63 x 127 = 32004); one madd with the sub-scale in both int16 halves of
+// each lane then gives dot x scale in int32, as the AVX-512 path's mullo does. The float work is
+// that path's, lane for lane: the same bits on both.
+
+// Eight outputs' sub-scales, each in both int16 halves of its int32 lane (for madd).
+template <bool Signed>
+inline __m256i paired_scales(const uint8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+inline __m256i broadcast_word(const int8_t* x, int k) {
+  return _mm256_set1_epi32(reinterpret_cast<const int32_t*>(x)[k]);
+}
+
+// Q6_K's top two bits of code vector k (of four) from their byte vector, at bits 4-5.
+inline __m256i top_bits(__m256i hb, int k, __m256i top2) {
+  const __m256i moved = k == 0 ? _mm256_slli_epi16(hb, 4) : k == 1 ? _mm256_slli_epi16(hb, 2)
+                        : k == 2 ? hb : _mm256_srli_epi16(hb, 2);
+  return _mm256_and_si256(moved, top2);
+}
+
+template <int Bits, int R>
+void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, const float* dmin, int64_t blocks,
+                const SuperActivations& a, int64_t m, float* y, int64_t ldy, int64_t ahead) {
+  constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub, kPairs = subs / 2;
+  const int64_t K = blocks * kSuper;
+  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
+  const float* xs = a.scale.data_ptr<float>() + m * blocks;
+  const int32_t* xpairs = a.pairs.data_ptr<int32_t>() + m * (K / sub / 2);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* cb = codes + b * tile_code_bytes<Bits>();
+    const uint8_t* sb = scales + b * kTileScaleBytes;
+    for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int64_t u = 0; u < kSuper / 32; ++u) {
+        const uint8_t* cu = cb + u * (Bits == 4 ? 256 : 384);
+        if (h == 0)
+          for (int line = 0; line < (Bits == 4 ? 4 : 6); ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(cu + ahead + 64 * line), _MM_HINT_T0);
+        const int8_t* xu = xq + b * kSuper + 32 * u;
+        if constexpr (Bits == 4) {
+          const __m256i sc = paired_scales<false>(sb + 16 * u + 8 * h);
+          __m256i s16[R];
+          for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cu + 64 * k + 32 * h));
+            const __m256i wl = _mm256_and_si256(packed, low4);
+            const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            for (int r = 0; r < R; ++r)
+              s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(wl, broadcast_word(xu + r * K, k)),
+                                                                 _mm256_maddubs_epi16(wh, broadcast_word(xu + r * K, k + 4))));
+          }
+          for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], sc));
+        } else {  // two sub-blocks of 16: vectors 0-3 and 4-7
+          const __m256i sc0 = paired_scales<true>(sb + 16 * (2 * u) + 8 * h);
+          const __m256i sc1 = paired_scales<true>(sb + 16 * (2 * u + 1) + 8 * h);
+          const __m256i hb0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cu + 256 + 32 * h));
+          const __m256i hb1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cu + 320 + 32 * h));
+          __m256i p0[R], p1[R];
+          for (int k = 0; k < 4; ++k) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cu + 64 * k + 32 * h));
+            const __m256i wl = _mm256_or_si256(_mm256_and_si256(packed, low4), top_bits(hb0, k, top2));
+            const __m256i wh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low4), top_bits(hb1, k, top2));
+            for (int r = 0; r < R; ++r) {
+              const __m256i q0 = _mm256_maddubs_epi16(wl, broadcast_word(xu + r * K, k));
+              const __m256i q1 = _mm256_maddubs_epi16(wh, broadcast_word(xu + r * K, k + 4));
+              if (k % 2 == 0) {
+                p0[r] = q0;
+                p1[r] = q1;
+              } else {
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(p0[r], q0), sc0));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(p1[r], q1), sc1));
+              }
+            }
+          }
+        }
+      }
+      // The offsets (Q4_K's minimums, Q6_K's -32 * sc) as int16 pairs, times the activation sums.
+      __m256i off[kPairs];
+      for (int p = 0; p < kPairs; ++p) {
+        if constexpr (Bits == 4) {
+          off[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 128 + 32 * p + 16 * h)));
+        } else {
+          const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * (2 * p)));
+          const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * (2 * p + 1)));
+          off[p] = _mm256_cvtepi8_epi16(h == 0 ? _mm_unpacklo_epi8(even, odd) : _mm_unpackhi_epi8(even, odd));
+        }
+      }
+      const __m256 dv = _mm256_loadu_ps(d + b * kTile + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xp = xpairs + r * (K / sub / 2) + b * kPairs;
+        __m256i osum = _mm256_setzero_si256();
+        for (int p = 0; p < kPairs; ++p)
+          osum = _mm256_add_epi32(osum, _mm256_madd_epi16(off[p], _mm256_set1_epi32(xp[p])));
+        const __m256 x_scale = _mm256_set1_ps(xs[r * blocks + b]);
+        if constexpr (Bits == 4) {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dv, x_scale), acc[r][h]);
+          acc[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(osum),
+                                       _mm256_mul_ps(_mm256_loadu_ps(dmin + b * kTile + 8 * h), x_scale), acc[r][h]);
+        } else {
+          const __m256i total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(osum, 5));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dv, x_scale), acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + r * ldy + 8 * h, acc[r][h]);
+}
+// Four rows' sums beside a vector's codes fit the 16 registers; Q6_K keeps two sums a row.
+template <int Bits>
+constexpr int ktile_row_count() { return Bits == 4 ? 4 : 2; }
 #else
+template <int Bits>
+constexpr int ktile_row_count() { return 4; }
 template <int Bits, int R>
 void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, const float* dmin, int64_t blocks,
                 const SuperActivations& a, int64_t m, float* y, int64_t ldy, int64_t) {
@@ -438,7 +571,7 @@ void ktiled_impl(const SuperActivations& a, const at::Tensor& codes, const at::T
   const float* dp = d.data_ptr<float>();
   const float* dmp = Bits == 4 ? dmin.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  constexpr int kRows = 6;  // six rows' accumulators and a sub-block's codes fill the 32 vector registers
+  constexpr int kRows = ktile_row_count<Bits>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* c = cp + t * blocks * tile_code_bytes<Bits>();

@@ -23,6 +23,7 @@ import torch
 from kernels import native
 
 QK_K = 256  # elements per K-quant super-block
+TILED_ISAS = ("avx512-vnni", "avx2")  # kernel builds with vector code for the tiled layouts
 
 
 class QuantizedRows:
@@ -121,10 +122,10 @@ class BlockWeight(QuantizedRows):
     activation_block = 32  # inputs per activation scale
 
     def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
-        """`native.tiled_matmul`'s tiles on a CPU with AVX-512 VNNI (groups of 32, rows a multiple of 16,
-        scales and minimums exact in fp16: a GGUF's always are)."""
+        """`native.tiled_matmul`'s tiles on a CPU with AVX-512 VNNI or AVX2 (groups of 32, rows a multiple
+        of 16, scales and minimums exact in fp16: a GGUF's always are)."""
         fits = self.group == 32 and self.shape[0] % 16 == 0
-        if isa == "avx512-vnni" and fits and _exact_in_fp16(self.scale, self.min):
+        if isa in TILED_ISAS and fits and _exact_in_fp16(self.scale, self.min):
             return tile_blocks(self.values(), self.scale, self.min, self.bits)
         return None
 
@@ -214,11 +215,14 @@ class SuperBlockWeight(QuantizedRows):
         return 32 if tiles is not None and len(tiles) == 3 else 256
 
     def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
-        """`native.kquant_tiled_matmul`'s tiles on a CPU with AVX-512 VNNI (rows a multiple of 16);
+        """`native.kquant_tiled_matmul`'s tiles on a CPU with AVX-512 VNNI or AVX2 (rows a multiple of
+        16); else the stored layout where `native.kquant_matmul` has vector code (AVX-512 VNNI);
         elsewhere codes, scale and minimum per sub-block for `native.block_matmul`, whose AVX2 path
-        the K-quant kernel lacks (1.3x / 1.8x the bytes of Q4_K / Q6_K, but vectorized)."""
+        the untiled K-quant kernel lacks (1.3x / 1.8x the bytes of Q4_K / Q6_K, but vectorized)."""
+        if isa in TILED_ISAS and self.shape[0] % 16 == 0:
+            return tile_super_blocks(self)
         if isa == "avx512-vnni":
-            return tile_super_blocks(self) if self.shape[0] % 16 == 0 else None
+            return None
         per_sub = QK_K // self.group
         scale = self.d.repeat_interleave(per_sub, dim=1) * self.sub_scale.float()  # exact: fp16 x 6-8 bits
         if self.bits == 6:

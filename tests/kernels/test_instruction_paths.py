@@ -9,11 +9,28 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_block_matmul.py", "tests/kernels/test_cpu_attention.py",
                 "tests/kernels/test_rms_norm.py", "tests/kernels/test_rope_kv.py",
                 "tests/kernels/test_sampling_rows.py"]
+# The tiled kernels' products of fixed weights and activations, saved to the path given.
+TILED_PRODUCTS = """
+import sys, torch
+from kernels.native import kquant_tiled_matmul, tiled_matmul
+from specserve.models.gguf import decode_blocks, tile_blocks, tile_super_blocks, tiled_bits
+from tests.specserve.models.test_gguf import random_blocks
+x = torch.randn(7, 512, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 7).unsqueeze(1)
+out = {}
+for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
+    w = decode_blocks(random_blocks(name, 32, 512), name, 32)
+    if name.endswith("_K"):
+        out[name] = kquant_tiled_matmul(x, *tile_super_blocks(w), w.bits)
+    else:
+        out[name] = tiled_matmul(x, *tile_blocks(w.values(), w.scale, w.min, w.bits), tiled_bits(w.bits))
+torch.save(out, sys.argv[1])
+"""
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 instruction sets")
@@ -27,3 +44,14 @@ def test_every_instruction_path_passes_the_kernel_tests(march, isa, tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
+    # ...and the tiled layouts give this host's own kernels' bits (the same float steps per lane):
+    # weights prepared on one CPU serve the same model on another
+    theirs, ours = tmp_path / "theirs.pt", tmp_path / "ours.pt"
+    native = {k: v for k, v in os.environ.items() if k != "SPECSERVE_CPU_MARCH"}
+    for path, environment in ((theirs, env), (ours, native)):
+        done = subprocess.run([sys.executable, "-c", TILED_PRODUCTS, str(path)], cwd=ROOT, env=environment,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    expected, got = torch.load(ours), torch.load(theirs)
+    for name, product in expected.items():
+        assert torch.equal(got[name], product), name
