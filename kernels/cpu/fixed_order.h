@@ -23,6 +23,15 @@ inline float fixed_order_sum(__m512 acc) {
   __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
   return _mm_cvtss_f32(s1);
 }
+#elif defined(__AVX2__)
+// The same reduction of 16 lanes held as lanes 0-7 and lanes 8-15.
+inline float fixed_order_sum(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
 #endif
 
 inline float fixed_order_dot(const float* a, const float* b, int64_t n) {

@@ -15,14 +15,25 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_block_matmul.py", "tests/kernels/test_cpu_attention.py",
                 "tests/kernels/test_rms_norm.py", "tests/kernels/test_rope_kv.py",
                 "tests/kernels/test_sampling_rows.py"]
-# The tiled kernels' products of fixed weights and activations, saved to the path given.
-TILED_PRODUCTS = """
-import sys, torch
+# The tiled kernels' products of fixed weights and activations and tree attention over a fixed
+# cache (head sizes 64 and 128: the vector paths), saved to the path given.
+VECTOR_RESULTS = """
+import random, sys, torch
 from kernels.native import kquant_tiled_matmul, tiled_matmul
 from specserve.models.gguf import decode_blocks, tile_blocks, tile_super_blocks, tiled_bits
+from tests.kernels.test_cpu_attention import attend
+from tests.kernels.test_reference import paged_cache, random_tree
 from tests.specserve.models.test_gguf import random_blocks
-x = torch.randn(7, 512, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 7).unsqueeze(1)
+torch.manual_seed(0)
+x = torch.randn(7, 512) * torch.logspace(-2, 2, 7).unsqueeze(1)
 out = {}
+for head_size in (64, 128):
+    rng = random.Random(head_size)
+    requests = [(37, random_tree(rng, 7, "random")), (150, random_tree(rng, 1, "chain"))]
+    tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, head_size, torch.float32)
+    q = torch.randn(8, 6, head_size)
+    out[f"attention {head_size}"] = attend([t for _, t in requests], [c for c, _ in requests], tables, k_cache,
+                                           v_cache, q)
 for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
     w = decode_blocks(random_blocks(name, 32, 512), name, 32)
     if name.endswith("_K"):
@@ -44,12 +55,12 @@ def test_every_instruction_path_passes_the_kernel_tests(march, isa, tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:]
-    # ...and the tiled layouts give this host's own kernels' bits (the same float steps per lane):
-    # weights prepared on one CPU serve the same model on another
+    # ...and the vector kernels give this host's own kernels' bits (the same float steps per lane):
+    # a model gives the same outputs on any CPU
     theirs, ours = tmp_path / "theirs.pt", tmp_path / "ours.pt"
     native = {k: v for k, v in os.environ.items() if k != "SPECSERVE_CPU_MARCH"}
     for path, environment in ((theirs, env), (ours, native)):
-        done = subprocess.run([sys.executable, "-c", TILED_PRODUCTS, str(path)], cwd=ROOT, env=environment,
+        done = subprocess.run([sys.executable, "-c", VECTOR_RESULTS, str(path)], cwd=ROOT, env=environment,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     expected, got = torch.load(ours), torch.load(theirs)
