@@ -23,7 +23,7 @@ import torch
 from kernels import native
 
 QK_K = 256  # elements per K-quant super-block
-TILED_ISAS = ("avx512-vnni", "avx2")  # kernel builds with vector code for the tiled layouts
+TILED_ISAS = ("avx512-vnni", "avx2+vnni", "avx2")  # kernel builds with vector code for the tiled layouts
 
 
 class QuantizedRows:
