@@ -39,6 +39,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # the engine keeps them per request and scans every token
 MAX_DRAFTER_SPEC_CHARS = 256  # speculation.drafter: a spec, never a document
+INT64_MAX = 2**63 - 1  # what a request's unbounded integers are clamped to where they meet int64 tensors
 
 
 class SamplingError(ValueError):
@@ -276,9 +277,10 @@ def filter_stats(scores: torch.Tensor, params: Sequence[SamplingParams]) -> Filt
 
 
 def filter_columns(params: Sequence[SamplingParams]) -> tuple[torch.Tensor, ...]:
-    """The rows' temperature, top_k, top_p and min_p as the CPU kernel takes them (on the host)."""
+    """The rows' temperature, top_k, top_p and min_p as the CPU kernel takes them (on the host); a
+    top_k past int64 (any k >= the vocabulary keeps every token) as the largest int64."""
     return (torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([min(p.top_k, INT64_MAX) for p in params], dtype=torch.int64),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
             torch.tensor([p.min_p for p in params], dtype=torch.float32))
 

@@ -387,28 +387,44 @@ constexpr int64_t kAheadGroups = 16;  // software prefetch distance (4 KiB of 4-
 template <int Bits>
 constexpr int64_t tile_group_bytes() { return Bits == 4 ? 256 : Bits == 5 ? 320 : 512; }
 
+// Rows from m on: their int8 activations, scales and sums per group of 32 (tiles' groups).
+struct RowActivations {
+  const int8_t* q;
+  const float* scale;
+  const float* sums;
+  static RowActivations of(const Activations& a, int64_t m, int64_t groups) {
+    return {a.q.data_ptr<int8_t>() + m * groups * 32, a.scale.data_ptr<float>() + m * groups,
+            a.sums.data_ptr<float>() + m * groups};
+  }
+};
+
+#if defined(__AVX2__)
+// Codes, scales and minimums 16 groups ahead (into the next tile at the end of this one): a
+// call is too short for the hardware prefetcher to ramp up on its three streams (a sweep of
+// SmolLM2's weights in one process: 1 row -3%, 2 rows -6%, 8 rows -13%).
+template <int Bits>
+inline void prefetch_ahead(const uint8_t* c, const uint16_t* scale, const uint16_t* min, int64_t g) {
+  for (int line = 0; line < tile_group_bytes<Bits>(); line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadGroups * tile_group_bytes<Bits>() + line), _MM_HINT_T0);
+  if (g % 2 == 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(scale + (g + kAheadGroups) * kTile), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(min + (g + kAheadGroups) * kTile), _MM_HINT_T0);
+  }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 template <int Bits, int R>
 void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
                int64_t m, float* y, int64_t ldy) {
   const int64_t K = groups * 32;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
-  const float* xs = a.scale.data_ptr<float>() + m * groups;
-  const float* xsum = a.sums.data_ptr<float>() + m * groups;
+  const auto [xq, xs, xsum] = RowActivations::of(a, m, groups);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * tile_group_bytes<Bits>();
-    // Codes, scales and minimums 16 groups ahead (into the next tile at the end of this one): a
-    // call is too short for the hardware prefetcher to ramp up on its three streams (a sweep of
-    // SmolLM2's weights in one process: 1 row -3%, 2 rows -6%, 8 rows -13%).
-    for (int line = 0; line < tile_group_bytes<Bits>(); line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(c + kAheadGroups * tile_group_bytes<Bits>() + line), _MM_HINT_T0);
-    if (g % 2 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(scale + (g + kAheadGroups) * kTile), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(min + (g + kAheadGroups) * kTile), _MM_HINT_T0);
-    }
+    prefetch_ahead<Bits>(c, scale, min, g);
     __m512i w[8];
     if constexpr (Bits <= 5) {
       for (int k = 0; k < 4; ++k) {
@@ -469,20 +485,13 @@ template <int Bits, int R>
 void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
                int64_t m, float* y, int64_t ldy) {
   const int64_t K = groups * 32;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
-  const float* xs = a.scale.data_ptr<float>() + m * groups;
-  const float* xsum = a.sums.data_ptr<float>() + m * groups;
+  const auto [xq, xs, xsum] = RowActivations::of(a, m, groups);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * tile_group_bytes<Bits>();
-    for (int line = 0; line < tile_group_bytes<Bits>(); line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(c + kAheadGroups * tile_group_bytes<Bits>() + line), _MM_HINT_T0);
-    if (g % 2 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(scale + (g + kAheadGroups) * kTile), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(min + (g + kAheadGroups) * kTile), _MM_HINT_T0);
-    }
+    prefetch_ahead<Bits>(c, scale, min, g);
     // lo: products of vectors 0-3 (4- and 5-bit) or of the low nibbles (8-bit); hi: the rest.
     // 4-bit codes sum all eight vectors in lo.
     __m256i lo[R][2], hi[R][2];

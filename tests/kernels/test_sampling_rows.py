@@ -36,6 +36,7 @@ FILTERS = [
     SamplingParams(temperature=2.0, top_p=1e-9),  # the likeliest token alone
     SamplingParams(temperature=1.0, top_p=5e-324),  # 0 in float32: still the likeliest token
     SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=0.8, top_k=10**30, top_p=0.3),  # a k past int64 keeps every token
 ]
 
 
