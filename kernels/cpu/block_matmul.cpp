@@ -477,9 +477,7 @@ inline __m256i fifth_bits(uint32_t bits) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-inline __m256i broadcast_word(const int8_t* x, int k) {
-  return _mm256_set1_epi32(reinterpret_cast<const int32_t*>(x)[k]);
-}
+using specserve::broadcast_word;
 
 template <int Bits, int R>
 void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,

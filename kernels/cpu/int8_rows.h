@@ -6,7 +6,19 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace specserve {
+
+#if defined(__AVX2__)
+// Activation word k of a row (its inputs 4k..4k+3) in every int32 lane: what one vector of a tile's
+// codes (one output per lane) multiplies.
+inline __m256i broadcast_word(const int8_t* x, int k) {
+  return _mm256_set1_epi32(reinterpret_cast<const int32_t*>(x)[k]);
+}
+#endif
 
 // x[0, n) as int8 codes with scale max|x| / 127, rounded to nearest, ties to even (cvtps2dq's
 // rounding: the same integers on every CPU); returns the scale.

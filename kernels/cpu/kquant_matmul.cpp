@@ -405,9 +405,7 @@ inline __m256i paired_scales(const uint8_t* p) {
   return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
 }
 
-inline __m256i broadcast_word(const int8_t* x, int k) {
-  return _mm256_set1_epi32(reinterpret_cast<const int32_t*>(x)[k]);
-}
+using specserve::broadcast_word;
 
 // Q6_K's top two bits of code vector k (of four) from their byte vector, at bits 4-5.
 inline __m256i top_bits(__m256i hb, int k, __m256i top2) {
