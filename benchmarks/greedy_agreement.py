@@ -2,12 +2,10 @@
 speculation or without, in fp32 and bf16.
 
 In fp32 every reply equals the plain one (the tests). In bf16 a request's logits could depend on
-what else shares its forward: CPU SDPA rounds a partial last block of keys differently, so a
-verification tree's keys after the root, or a longer request padded into the same call, changed
-the root's bits. Attention now runs over whole blocks of keys (`kernels.reference.KEY_ALIGN`).
-Prefills batched together still take other paths than a prompt's own prefill (a masked padded
-call instead of a causal one, per-block matmuls for long steps), so batched replies may still
-part at a near-tie.
+what else shares its forward: CPU SDPA rounded a query differently with the rows beside it, so a
+verification tree's nodes, or prompts prefilled together, changed a row's bits. bf16 attention now
+runs through the C++ kernel (each row alone, fp32 arithmetic), so what is left is the bf16 matmuls,
+which on some CPUs (AMD EPYC with AVX512-BF16) round a row by the step's size.
 
 Reference: each prompt decoded alone without speculation (prefix caching off throughout: a
 cached prefix makes the rest of a prompt a different forward). Compared: the same all at once

@@ -1,4 +1,4 @@
-"""fp32 tree attention on the CPU through our C++ kernel (`kernels/cpu/tree_attention.cpp`).
+"""fp32 and bf16 tree attention on the CPU through our C++ kernel (`kernels/cpu/tree_attention.cpp`).
 
 Same semantics as `kernels.reference` (which it shares the K/V writes and compaction with), but
 each query row attends over exactly its visible keys in a fixed order: a row's result never

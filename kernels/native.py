@@ -7,8 +7,8 @@
 * `kquant_matmul(x, codes, high, sub_scale, sub_min, d, dmin, bits)`: the same for Q4_K and Q6_K
   super-blocks in their own layout (`kernels/cpu/kquant_matmul.cpp`); `kquant_tiled_matmul`, the
   same over super-blocks repacked in tiles of 16 outputs (`SuperBlockWeight.tiles`).
-* `tree_attention(...)`: fp32 attention over the paged cache, each query row over exactly its
-  visible keys (`kernels/cpu/tree_attention.cpp`).
+* `tree_attention(...)`: attention over the paged cache (fp32 or bf16, fp32 arithmetic), each
+  query row over exactly its visible keys (`kernels/cpu/tree_attention.cpp`).
 * `rms_norm(x, weight, eps)`: fp32 RMSNorm in one pass (`kernels/cpu/rms_norm.cpp`); `add_rms_norm`,
   the residual add before it in the same pass.
 * `rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)`: rotary q and k

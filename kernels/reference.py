@@ -22,9 +22,8 @@ from kernels.metadata import AttentionMetadata
 # its vectorised loops, so without this a request's attention (in bf16 visibly) changes with
 # the keys the others in its call add: a decode batched with longer requests, or the root of a
 # verification tree, whose own tree adds keys after it. With whole blocks only, each query
-# gets the same bits whatever is masked after its keys; greedy chain speculation of requests
-# served one at a time is then exact in bf16 too (tests/specserve/test_speculative.py). Not yet
-# a tree node whose keys have rejected siblings in between (benchmarks/greedy_agreement.py).
+# gets the same bits whatever is masked after its keys. Not a row whatever the other queries
+# (SDPA tiles them too): the model's bf16 attention takes the C++ kernel (`kernels.cpu_attention`).
 KEY_ALIGN = 32
 
 

@@ -1,4 +1,5 @@
-// Tree attention over the paged KV cache on the CPU, fp32, one query row at a time.
+// Tree attention over the paged KV cache on the CPU, one query row at a time: fp32 arithmetic over
+// fp32 or bf16 queries and caches (bf16 values widened exactly on load, the result rounded once).
 //
 // Why: a query's result must not depend on the other queries of the step. CPU SDPA tiles its
 // queries and keys by the call's shape, so the same token decoded alone and verified as a tree
@@ -7,7 +8,8 @@
 // Here every (token, head) walks exactly its visible keys (the cached context in order, then
 // its tree ancestors and itself in node order) with the same fixed-order arithmetic, so its
 // result is a function of those keys alone. It also reads K/V in place through the block
-// table: no gathered copy of the cache per layer.
+// table: no gathered copy of the cache per layer. bf16 needs it as much as fp32: CPU SDPA in bf16
+// rounds a row differently with the rows beside it (on AVX2 hosts about one query in 40).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,23 +17,32 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fixed_order.h"
 
 namespace {
 
+using c10::BFloat16;
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {  // bf16 is fp32's upper half: widening is exact
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // Vector paths for head sizes of C * 16: each head's scores and sums take exactly the steps of
 // the portable loops below (fixed_order_dot; fma over keys in order), with a key's K or V row
 // loaded once for all heads of the part and the sums kept in registers.
-template <int C>
-void scores_of(const float* q, const float* k, int64_t row_stride, const int64_t* slots, int64_t keys,
+template <int C, typename T>
+void scores_of(const float* q, const T* k, int64_t row_stride, const int64_t* slots, int64_t keys,
                int64_t heads, float scale, float* scores, int64_t stride) {
   for (int64_t i = 0; i < keys; ++i) {
-    const float* krow = k + slots[i] * row_stride;
+    const T* krow = k + slots[i] * row_stride;
     __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(krow + 16 * c);
+    for (int c = 0; c < C; ++c) kv[c] = load16(krow + 16 * c);
     for (int64_t h = 0; h < heads; ++h) {
       __m512 acc = _mm512_setzero_ps();
       for (int c = 0; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * C * 16 + 16 * c), kv[c], acc);
@@ -40,8 +51,8 @@ void scores_of(const float* q, const float* k, int64_t row_stride, const int64_t
   }
 }
 
-template <int C>
-void values_of(const float* scores, int64_t stride, const float* v, int64_t row_stride, const int64_t* slots,
+template <int C, typename T>
+void values_of(const float* scores, int64_t stride, const T* v, int64_t row_stride, const int64_t* slots,
                int64_t keys, int64_t heads, float* out) {
   constexpr int kHeads = C <= 4 ? 4 : 2;  // accumulators in registers: kHeads * C of 32
   for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
@@ -50,10 +61,12 @@ void values_of(const float* scores, int64_t stride, const float* v, int64_t row_
     for (int h = 0; h < kHeads; ++h)
       for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < keys; ++i) {
-      const float* vrow = v + slots[i] * row_stride;
+      const T* vrow = v + slots[i] * row_stride;
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(vrow + 16 * c);
       for (int h = 0; h < n; ++h) {
         const __m512 weight = _mm512_set1_ps(scores[(h0 + h) * stride + i]);
-        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(vrow + 16 * c), acc[h][c]);
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(weight, vv[c], acc[h][c]);
       }
     }
     for (int h = 0; h < n; ++h)
@@ -62,27 +75,33 @@ void values_of(const float* scores, int64_t stride, const float* v, int64_t row_
 }
 #define TREE_ATTENTION_VECTOR 1
 #elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // The same on AVX2: fixed_order_dot's 16 lanes as two 8-lane registers (lanes j and j + 8), each
 // head's sums kept in registers, the same fma per lane and key as the portable loops.
-template <int C>
-void scores_of(const float* q, const float* k, int64_t row_stride, const int64_t* slots, int64_t keys,
+template <int C, typename T>
+void scores_of(const float* q, const T* k, int64_t row_stride, const int64_t* slots, int64_t keys,
                int64_t heads, float scale, float* scores, int64_t stride) {
   for (int64_t i = 0; i < keys; ++i) {
-    const float* krow = k + slots[i] * row_stride;
+    const T* krow = k + slots[i] * row_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const float* qh = q + h * C * 16;
       __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
       for (int c = 0; c < C; ++c) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c), _mm256_loadu_ps(krow + 16 * c), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c + 8), _mm256_loadu_ps(krow + 16 * c + 8), hi);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c), load8(krow + 16 * c), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c + 8), load8(krow + 16 * c + 8), hi);
       }
       scores[h * stride + i] = specserve::fixed_order_sum(lo, hi) * scale;
     }
   }
 }
 
-template <int C>
-void values_of(const float* scores, int64_t stride, const float* v, int64_t row_stride, const int64_t* slots,
+template <int C, typename T>
+void values_of(const float* scores, int64_t stride, const T* v, int64_t row_stride, const int64_t* slots,
                int64_t keys, int64_t heads, float* out) {
   constexpr int kChunk = 8;  // registers of 8 columns summed per pass over the keys
   for (int64_t h = 0; h < heads; ++h)
@@ -90,9 +109,9 @@ void values_of(const float* scores, int64_t stride, const float* v, int64_t row_
       __m256 acc[kChunk];
       for (int c = 0; c < kChunk; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t i = 0; i < keys; ++i) {
-        const float* vrow = v + slots[i] * row_stride + 8 * c0;
+        const T* vrow = v + slots[i] * row_stride + 8 * c0;
         const __m256 weight = _mm256_set1_ps(scores[h * stride + i]);
-        for (int c = 0; c < kChunk; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(vrow + 8 * c), acc[c]);
+        for (int c = 0; c < kChunk; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(vrow + 8 * c), acc[c]);
       }
       for (int c = 0; c < kChunk; ++c) _mm256_storeu_ps(out + h * C * 16 + 8 * (c0 + c), acc[c]);
     }
@@ -101,7 +120,8 @@ void values_of(const float* scores, int64_t stride, const float* v, int64_t row_
 #endif
 
 // False where no vector path fits the head size (the caller's portable loop runs instead).
-bool head_scores(int64_t D, const float* q, const float* k, int64_t row_stride, const int64_t* slots, int64_t keys,
+template <typename T>
+bool head_scores(int64_t D, const float* q, const T* k, int64_t row_stride, const int64_t* slots, int64_t keys,
                  int64_t heads, float scale, float* scores, int64_t stride) {
 #if defined(TREE_ATTENTION_VECTOR)
   if (D == 64) return scores_of<4>(q, k, row_stride, slots, keys, heads, scale, scores, stride), true;
@@ -110,7 +130,8 @@ bool head_scores(int64_t D, const float* q, const float* k, int64_t row_stride, 
   return false;
 }
 
-bool head_values(int64_t D, const float* scores, int64_t stride, const float* v, int64_t row_stride,
+template <typename T>
+bool head_values(int64_t D, const float* scores, int64_t stride, const T* v, int64_t row_stride,
                  const int64_t* slots, int64_t keys, int64_t heads, float* out) {
 #if defined(TREE_ATTENTION_VECTOR)
   if (D == 64) return values_of<4>(scores, stride, v, row_stride, slots, keys, heads, out), true;
@@ -119,37 +140,37 @@ bool head_values(int64_t D, const float* scores, int64_t stride, const float* v,
   return false;
 }
 
-at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                          const at::Tensor& block_tables, const at::Tensor& ancestor_mask, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "tree_attention: float32 queries and caches only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D]");
-  const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
-  const at::Tensor starts = query_start_loc.to(at::kLong).contiguous(), ctx = context_lens.to(at::kLong).contiguous();
-  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  const at::Tensor mask = ancestor_mask.to(at::kBool).contiguous();
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "tree_attention: head sizes do not fit");
+// One (token, KV head, part) item's rows of T as fp32: the rows themselves for fp32, else widened
+// (exactly) into `staged`.
+template <typename T>
+const float* as_float(const T* rows, int64_t n, std::vector<float>& staged) {
+  if constexpr (std::is_same_v<T, float>) {
+    return rows;
+  } else {
+    staged.resize(n);
+    for (int64_t i = 0; i < n; ++i) staged[i] = static_cast<float>(rows[i]);
+    return staged.data();
+  }
+}
+
+template <typename T>
+void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& starts,
+            const at::Tensor& ctx, const at::Tensor& tables, const at::Tensor& mask, float scale, at::Tensor& out) {
+  const int64_t tokens = qc.size(0), Hq = qc.size(1), D = qc.size(2);
+  const int64_t block_size = kc.size(1), Hkv = kc.size(2);
   const int64_t B = ctx.size(0), max_blocks = tables.size(1), max_n = mask.size(1);
   const int64_t group = Hq / Hkv;
-  at::Tensor out = at::empty_like(qc);
-
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
+  const T* qp = qc.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
   const int64_t* sp = starts.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  T* op = out.data_ptr<T>();
 
   // The request of each flat token (tokens of request b are [start[b], start[b + 1])).
-  std::vector<int64_t> request(T);
+  std::vector<int64_t> request(tokens);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = sp[b]; t < sp[b + 1]; ++t) request[t] = b;
 
@@ -158,11 +179,12 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   // operations, so results do not depend on how heads are grouped. Groups are split into parts
   // only as far as it takes to give every thread work in a one-token step.
   const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::min(group, std::max<int64_t>(1, (2 * threads + T * Hkv - 1) / (T * Hkv)));
+  const int64_t parts = std::min(group, std::max<int64_t>(1, (2 * threads + tokens * Hkv - 1) / (tokens * Hkv)));
   const int64_t per_part = (group + parts - 1) / parts;
-  at::parallel_for(0, T * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its items
     std::vector<float> scores;  // [heads of the part][keys + kExpPad]
+    std::vector<float> staged_q, staged_row, sums;  // fp32 copies where T is not fp32
     int64_t slots_of = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / (Hkv * parts), kv_head = item / parts % Hkv, part = item % parts;
@@ -183,13 +205,13 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
       }
       const int64_t keys = static_cast<int64_t>(slots.size()), stride = keys + specserve::kExpPad;
       scores.resize(heads * stride);
-      const float* qrows = qp + (t * Hq + first) * D;
-      const float* kbase = kp + kv_head * D;
-      if (!head_scores(D, qrows, kbase, Hkv * D, slots.data(), keys, heads, fscale, scores.data(), stride)) {
+      const float* qrows = as_float(qp + (t * Hq + first) * D, heads * D, staged_q);
+      const T* kbase = kp + kv_head * D;
+      if (!head_scores(D, qrows, kbase, Hkv * D, slots.data(), keys, heads, scale, scores.data(), stride)) {
         for (int64_t i = 0; i < keys; ++i) {
-          const float* krow = kbase + slots[i] * Hkv * D;
+          const float* krow = as_float(kbase + slots[i] * Hkv * D, D, staged_row);
           for (int64_t h = 0; h < heads; ++h)
-            scores[h * stride + i] = specserve::fixed_order_dot(qrows + h * D, krow, D) * fscale;
+            scores[h * stride + i] = specserve::fixed_order_dot(qrows + h * D, krow, D) * scale;
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
@@ -199,12 +221,19 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
         for (int64_t i = 0; i < keys; ++i) s[i] -= best;
         specserve::exp_in_place(s, keys);
       }
-      float* orows = op + (t * Hq + first) * D;
-      const float* vbase = vp + kv_head * D;
+      T* out_rows = op + (t * Hq + first) * D;
+      float* orows;
+      if constexpr (std::is_same_v<T, float>) {
+        orows = out_rows;
+      } else {
+        sums.resize(heads * D);
+        orows = sums.data();
+      }
+      const T* vbase = vp + kv_head * D;
       if (!head_values(D, scores.data(), stride, vbase, Hkv * D, slots.data(), keys, heads, orows)) {
         std::fill(orows, orows + heads * D, 0.f);
         for (int64_t i = 0; i < keys; ++i) {
-          const float* vrow = vbase + slots[i] * Hkv * D;
+          const float* vrow = as_float(vbase + slots[i] * Hkv * D, D, staged_row);
           for (int64_t h = 0; h < heads; ++h) {
             const float weight = scores[h * stride + i];
             float* orow = orows + h * D;
@@ -216,10 +245,33 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
         float total = 0.f;
         for (int64_t i = 0; i < keys; ++i) total += scores[h * stride + i];
         const float inverse = 1.f / total;
-        for (int64_t d = 0; d < D; ++d) orows[h * D + d] *= inverse;
+        for (int64_t d = 0; d < D; ++d) out_rows[h * D + d] = static_cast<T>(orows[h * D + d] * inverse);
       }
     }
   });
+}
+
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                          const at::Tensor& block_tables, const at::Tensor& ancestor_mask, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
+                  v_cache.scalar_type() == dtype,
+              "tree_attention: queries and caches all float32 or all bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "tree_attention: head sizes do not fit");
+  const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
+  const at::Tensor starts = query_start_loc.to(at::kLong).contiguous(), ctx = context_lens.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor mask = ancestor_mask.to(at::kBool).contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const float fscale = static_cast<float>(scale);
+  if (dtype == at::kFloat)
+    attend<float>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+  else
+    attend<BFloat16>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
   return out;
 }
 

@@ -65,8 +65,8 @@ def summarize(results: dict) -> dict:
 def output_agreement(single: list[dict]) -> dict[str, dict]:
     """Per configuration, how its greedy outputs compare with the baseline's on the same prompt
     and repeat: how many are identical, and the mean share of a reply before the first
-    difference. In fp32 every one is identical (the engine's tests), in bf16 with chains too;
-    bf16 trees may round differently (see `kernels.reference.KEY_ALIGN`), flipping near-ties."""
+    difference. In fp32 every one is identical (the engine's tests); in bf16 too where the CPU's
+    bf16 matmuls compute a row alike in any step (not on AMD EPYC with AVX512-BF16)."""
     base = {(m["prompt"], m["repeat"]): m["output"] for m in single if m["config"] == BASELINE_NAME}
     pairs: dict[str, list[tuple[list[int], list[int]]]] = defaultdict(list)
     for m in single:

@@ -50,7 +50,31 @@ def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_alone():
     assert torch.equal(in_tree, alone)
 
 
-def test_fp32_cpu_tensors_take_this_kernel_and_bf16_the_reference(monkeypatch):
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the vector paths and the portable loop
+def test_bf16_is_the_fp32_arithmetic_on_the_widened_values_rounded_once(seed, head_dim):
+    """bf16 queries and caches give what fp32 gives on the same values, rounded to bf16 at the end
+    (no bf16 rounding of scores or sums on the way): row-invariant like fp32, and more exact."""
+    rng = random.Random(seed)
+    requests = [(rng.randrange(0, 90), random_tree(rng, rng.randrange(1, 9), "random")) for _ in range(3)]
+    tables, k_cache, v_cache = paged_cache(rng, requests, 16, 2, head_dim, torch.bfloat16)
+    q = torch.randn(sum(len(t) for _, t in requests), 6, head_dim).bfloat16()
+    trees, contexts = [t for _, t in requests], [c for c, _ in requests]
+    got = attend(trees, contexts, tables, k_cache, v_cache, q, block_size=16)
+    widened = attend(trees, contexts, tables, k_cache.float(), v_cache.float(), q.float(), block_size=16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, widened.bfloat16())
+
+
+def test_fp32_and_bf16_cpu_tensors_take_this_kernel_and_fp16_the_reference(monkeypatch):
     monkeypatch.delenv("SPECSERVE_ATTENTION", raising=False)
     assert ops.backend(torch.device("cpu"), torch.float32) == "cpu"
-    assert ops.backend(torch.device("cpu"), torch.bfloat16) == "reference"
+    assert ops.backend(torch.device("cpu"), torch.bfloat16) == "cpu"
+    assert ops.backend(torch.device("cpu"), torch.float16) == "reference"
+
+
+def test_mixed_dtypes_are_refused_with_a_message():
+    rng = random.Random(0)
+    requests = [(5, TokenTree.single(1))]
+    tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        attend([TokenTree.single(1)], [5], tables, k_cache, v_cache, torch.randn(1, 4, 64).bfloat16())

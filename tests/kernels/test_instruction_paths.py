@@ -16,7 +16,7 @@ KERNEL_TESTS = ["tests/kernels/test_block_matmul.py", "tests/kernels/test_cpu_at
                 "tests/kernels/test_rms_norm.py", "tests/kernels/test_rope_kv.py",
                 "tests/kernels/test_sampling_rows.py"]
 # The tiled kernels' products of fixed weights and activations and tree attention over a fixed
-# cache (head sizes 64 and 128: the vector paths), saved to the path given.
+# cache (head sizes 64 and 128: the vector paths; fp32 and bf16), saved to the path given.
 VECTOR_RESULTS = """
 import random, sys, torch
 from kernels.native import kquant_tiled_matmul, tiled_matmul
@@ -32,8 +32,9 @@ for head_size in (64, 128):
     requests = [(37, random_tree(rng, 7, "random")), (150, random_tree(rng, 1, "chain"))]
     tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, head_size, torch.float32)
     q = torch.randn(8, 6, head_size)
-    out[f"attention {head_size}"] = attend([t for _, t in requests], [c for c, _ in requests], tables, k_cache,
-                                           v_cache, q)
+    for dtype in (torch.float32, torch.bfloat16):
+        out[f"attention {head_size} {dtype}"] = attend([t for _, t in requests], [c for c, _ in requests], tables,
+                                                       k_cache.to(dtype), v_cache.to(dtype), q.to(dtype))
 for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
     w = decode_blocks(random_blocks(name, 32, 512), name, 32)
     if name.endswith("_K"):

@@ -214,8 +214,8 @@ def test_compaction_matches_reference_across_requests_and_layers():
 
 def test_cpu_tensors_take_the_cpu_kernels_unless_triton_is_forced(monkeypatch):
     monkeypatch.delenv("SPECSERVE_ATTENTION", raising=False)
-    assert ops.backend(torch.device("cpu")) == "cpu"  # fp32: the C++ kernel
-    assert ops.backend(torch.device("cpu"), torch.bfloat16) == "reference"
+    assert ops.backend(torch.device("cpu")) == "cpu"  # fp32 and bf16: the C++ kernel
+    assert ops.backend(torch.device("cpu"), torch.float16) == "reference"
     assert ops.backend(torch.device("cuda")) == "triton"
     monkeypatch.setenv("SPECSERVE_ATTENTION", "triton")
     assert ops.backend(torch.device("cpu")) == "triton"

@@ -127,11 +127,9 @@ def row_variant_projection(model: torch.nn.Module, step_sizes) -> str | None:
 
 @pytest.mark.slow
 def test_greedy_chain_speculation_equals_plain_decoding_in_bf16_too(smollm2_path, spec_bench):
-    """In bf16 a verifying chain's logits match one-token decodes' bit for bit (attention keys
-    aligned: `kernels.reference.KEY_ALIGN`), so greedy chain speculation is exact there too, for
-    requests served one at a time. Branching trees agree too in practice, but not by construction:
-    an accepted node reads its keys with rejected siblings in between, which CPU SDPA may
-    (rarely) round differently. Prefills batched together take other paths altogether."""
+    """In bf16 a verifying chain's logits match one-token decodes' bit for bit (attention computes
+    each row alone, in fp32, through the C++ kernel), so greedy chain speculation is exact there
+    too, wherever the CPU's bf16 matmuls compute a row alike in steps of any size."""
     prompts, _, categories = spec_bench
     chosen = [prompts[i] for i, c in enumerate(categories) if c not in categories[:i]]  # one per category
     engine = LLMEngine(smollm2_path, dtype="bfloat16",
