@@ -104,18 +104,45 @@ def test_model_on_the_triton_kernel_matches_transformers(tiny_checkpoint, name, 
         assert err <= 1e-4, f"{name} {what} on the kernel: max abs error {err:.2e}"
 
 
+@torch.no_grad()
+def fp32_logits(path, inputs: list[int], decodes: int, tree: TokenTree) -> list[torch.Tensor]:
+    """transformers' fp32 logits for the rows `Comparison.run` yields, on the same tokens: the
+    prompt and `decodes` decoded tokens (`inputs`), then each tree node on top of them."""
+    model = load_transformers(path, torch.float32)
+    prompt_len = len(inputs) - decodes
+    logits = model(torch.tensor([inputs])).logits[0].float()
+    rows = [logits[:prompt_len]] + [logits[prompt_len + i : prompt_len + i + 1] for i in range(decodes)]
+    nodes = [model(torch.tensor([inputs + tree.path_tokens(i)])).logits[0, -1].float() for i in range(len(tree))]
+    return rows + [torch.stack(nodes)]
+
+
+def bf16_errors(path, prompt: list[int], tree: TokenTree, block_size: int = 16) -> tuple[float, float]:
+    """Over `Comparison.run`'s rows in bf16: the mean absolute logit error of ours and of
+    transformers against the fp32 model's on the same tokens."""
+    yielded = list(Comparison(path, torch.bfloat16, block_size).run(prompt, 16, list(tree.tokens)))
+    decoded = [int(ours[-1].argmax()) for _, ours, _ in yielded[:16]]  # the tokens run() fed
+    exact = torch.cat(fp32_logits(path, prompt + decoded, 16, tree))
+    ours, theirs = torch.cat([o for _, o, _ in yielded]), torch.cat([t for _, _, t in yielded])
+    return (ours - exact).abs().mean().item(), (theirs - exact).abs().mean().item()
+
+
+# bf16 rounds differently in ours and in transformers (fused projections, attention in fp32 over
+# bf16 K/V), so neither is the reference for the other: both are held to the fp32 model, ours
+# within this factor of transformers' own bf16 error (measured on the AVX2 host: 1.00-1.09).
+BF16_ERROR_RATIO = 1.25
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama3-rope"])
-def test_tiny_random_model_bf16_argmax_agrees(tiny_checkpoint, name):
+def test_tiny_random_model_in_bf16_is_as_close_to_fp32_as_transformers_bf16(tiny_checkpoint, name):
     model_type, overrides = TINY_CONFIGS[name]
     path = tiny_checkpoint(model_type, **overrides)
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 211, (150,), generator=gen).tolist()  # long enough for the large-step path
-    tree_tokens = torch.randint(0, 211, (len(BRANCHING),), generator=gen).tolist()
-    agree = total = 0
-    for _, ours, theirs in Comparison(path, torch.bfloat16, block_size=4).run(prompt, 16, tree_tokens):
-        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
-        total += ours.shape[0]
-    assert agree / total >= 0.99, f"{name} bf16: argmax agreement {agree}/{total}"
+    tree = TokenTree(tuple(torch.randint(0, 211, (len(BRANCHING),), generator=gen).tolist()), BRANCHING)
+    ours, theirs = bf16_errors(path, prompt, tree, block_size=4)
+    errors = f"{name} bf16 mean logit error against fp32: ours {ours:.2e}, transformers {theirs:.2e}"
+    print(errors)
+    assert ours <= BF16_ERROR_RATIO * theirs, errors
 
 
 def test_qwen2_has_qkv_bias_and_untied_head(tiny_checkpoint):
@@ -166,18 +193,11 @@ def test_smollm2_matches_transformers_fp32(smollm2_case):
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_argmax_agrees(smollm2_case):
+def test_smollm2_in_bf16_is_as_close_to_fp32_as_transformers_bf16(smollm2_case):
     path, prompt, tree_tokens = smollm2_case
-    agree = total = 0
-    worst: dict[str, float] = {}
-    for what, ours, theirs in Comparison(path, torch.bfloat16).run(prompt, 16, tree_tokens):
-        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
-        total += ours.shape[0]
-        stage = what.split()[0]
-        worst[stage] = max(worst.get(stage, 0.0), (ours - theirs).abs().max().item())
-    errors = ", ".join(f"{k} {v:.3f}" for k, v in worst.items())
-    print(f"SmolLM2 bf16: argmax agreement {agree}/{total} = {agree / total:.2%}, max abs error: {errors}")
-    assert agree / total >= 0.99
+    ours, theirs = bf16_errors(path, prompt, TokenTree(tuple(tree_tokens), BRANCHING))
+    print(f"SmolLM2 bf16 mean logit error against fp32: ours {ours:.4f}, transformers {theirs:.4f}")
+    assert ours <= BF16_ERROR_RATIO * theirs
 
 
 def test_hidden_states_are_what_each_layer_takes_in_and_the_final_normed_states(tiny_checkpoint):
