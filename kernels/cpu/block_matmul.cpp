@@ -32,14 +32,15 @@ struct Activations {
   at::Tensor q;       // int8 [M, K]
   at::Tensor scale;   // f32 [M, K / 32]
   at::Tensor sums;    // f32 [M, K / group]: scale * sum(q) over each weight group
-  at::Tensor lanes;   // f32 [M, K / 4]: each block's scale once per int32 lane (512-bit path)
+  at::Tensor lanes;   // f32 [M, K / 4]: each block's scale once per int32 lane (512-bit path; or empty)
 };
 
-Activations quantize_activations(const at::Tensor& x, int64_t group) {
+// `lanes`: also fill `Activations::lanes` (the untiled 512-bit path's; the tiles never read it).
+Activations quantize_activations(const at::Tensor& x, int64_t group, bool lanes) {
   const int64_t M = x.size(0), K = x.size(1);
   Activations a{at::empty({M, K}, at::kChar), at::empty({M, K / kActBlock}, at::kFloat),
-                at::empty({M, K / group}, at::kFloat), at::empty({M, K / 4}, at::kFloat)};
-  float* lp = a.lanes.data_ptr<float>();
+                at::empty({M, K / group}, at::kFloat), at::empty({lanes ? M : 0, K / 4}, at::kFloat)};
+  float* lp = lanes ? a.lanes.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   int8_t* qp = a.q.data_ptr<int8_t>();
   float* sp = a.scale.data_ptr<float>();
@@ -49,7 +50,8 @@ Activations quantize_activations(const at::Tensor& x, int64_t group) {
       int8_t* qb = qp + m * K + b * kActBlock;
       const float d = specserve::quantize_int8_block(xp + m * K + b * kActBlock, kActBlock, qb);
       sp[m * (K / kActBlock) + b] = d;
-      for (int j = 0; j < kActBlock / 4; ++j) lp[m * (K / 4) + b * (kActBlock / 4) + j] = d;
+      if (lp != nullptr)
+        for (int j = 0; j < kActBlock / 4; ++j) lp[m * (K / 4) + b * (kActBlock / 4) + j] = d;
       for (int64_t g = 0; g < kActBlock / group; ++g) {
         int32_t s = 0;
         for (int64_t j = 0; j < group; ++j) s += qb[g * group + j];
@@ -359,7 +361,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
               "block_matmul: scale and min must be float32 [N, K / group]");
   const at::Tensor xc = x.contiguous();
   const at::Tensor cc = codes.contiguous(), sc = scale.contiguous(), mc = min.contiguous();
-  const Activations a = quantize_activations(xc, group);
+  const Activations a = quantize_activations(xc, group, true);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0 || N == 0) return y;
   if (bits == 4 && group == 32) block_matmul_impl<4, 32>(a, cc, sc, mc, y);
@@ -628,7 +630,7 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), mc = min.contiguous();
   at::Tensor y = at::empty({x.size(0), tiles * kTile}, x.options());
   if (x.size(0) == 0 || tiles == 0) return y;
-  const Activations a = quantize_activations(xc, 32);
+  const Activations a = quantize_activations(xc, 32, false);
   if (bits == 4) tiled_impl<4>(a, cc, sc, mc, y);
   else if (bits == 5) tiled_impl<5>(a, cc, sc, mc, y);
   else tiled_impl<8>(a, cc, sc, mc, y);

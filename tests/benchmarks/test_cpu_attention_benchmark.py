@@ -1,0 +1,23 @@
+"""benchmarks/cpu_attention.py runs end to end and records both contenders on every step kind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_attention.py"
+
+
+def test_cpu_attention_benchmark_writes_json_and_markdown(tmp_path):
+    out = tmp_path / "cpu-attention"
+    subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(Path(f"{out}.json").read_text())
+    records = result["records"]
+    assert {r["dtype"] for r in records} == {"float32", "bfloat16"} and len(records) == 12
+    for record in records:
+        assert record["ours_us"] > 0 and record["sdpa_us"] > 0
+        assert record["max_abs_difference"] < (1e-5 if record["dtype"] == "float32" else 2e-2)  # the same attention
+    assert "| dtype | step | ours us |" in Path(f"{out}.md").read_text()
