@@ -140,8 +140,8 @@ bool head_values(int64_t D, const float* scores, int64_t stride, const T* v, int
   return false;
 }
 
-// One (token, KV head, part) item's rows of T as fp32: the rows themselves for fp32, else widened
-// (exactly) into `staged`.
+// n values of T as fp32 (an item's query rows, or one K or V row on the portable path): the
+// values themselves for fp32, else widened (exactly) into `staged`.
 template <typename T>
 const float* as_float(const T* rows, int64_t n, std::vector<float>& staged) {
   if constexpr (std::is_same_v<T, float>) {
