@@ -1,6 +1,7 @@
 """What a target forward costs, per weight format and kernel, against the machine's own limits.
 
-For each candidate (the GGUF's blocks through our kernel; the exact fp32 weights through torch's
+For each candidate (the GGUF's blocks through our kernel, the layers in one C++ call, and the same
+with the layers called module by module from Python; the exact fp32 weights through torch's
 MKL matmuls; the same in bf16 through oneDNN; transformers on the same GGUF in fp32), after a
 128-token prefix: a decode step (1 new token), chains of 2-64 new tokens, and a branching tree of
 8 nodes, every row's logits computed. In the same run it measures the memory bandwidth (reading
@@ -15,6 +16,8 @@ per candidate, as the CPU issue asks: decode / weights-read time (target <= 1.5)
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +37,7 @@ from specserve.pull import resolve_model
 from specserve.tree import TokenTree
 
 RESULTS = Path(__file__).parent / "results"
+MODULE_BY_MODULE = "gguf-blocks, layer by layer"
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 3, 3)  # 8 nodes: a root, two subtrees of uneven depth
 
 
@@ -105,6 +109,19 @@ def ours_step(model, prefix: list[int], tree: TokenTree) -> Callable[[], float]:
     return run
 
 
+def module_by_module(step: Callable[[], float]) -> Callable[[], float]:
+    """`step` with the decoder stack turned off (SPECSERVE_DECODER_STACK=0) while it runs."""
+
+    def run() -> float:
+        os.environ["SPECSERVE_DECODER_STACK"] = "0"
+        try:
+            return step()
+        finally:
+            del os.environ["SPECSERVE_DECODER_STACK"]
+
+    return run
+
+
 def transformers_step(model, prefix: list[int], tree: TokenTree) -> Callable[[], float] | None:
     if not tree.is_chain:
         return None  # transformers has no tree attention
@@ -159,6 +176,10 @@ def main() -> None:
         "fp32": load_model(path, torch.float32, "none"),
         "bf16": load_model(path, torch.bfloat16, "none"),
     }
+    # The same blocks with the layers called module by module from Python (what the decoder stack saves)
+    candidates[MODULE_BY_MODULE] = candidates["gguf-blocks"]
+    gc.collect()
+    gc.freeze()  # as the engine does after loading: the weights' objects out of the collector's way
     peers = {} if args.no_transformers else {"transformers-fp32": load_transformers(path, torch.float32)}
     bandwidth = read_bandwidth()
     mac_rate = compute_rate(candidates["gguf-blocks"])
@@ -175,6 +196,7 @@ def main() -> None:
     all_times: dict[str, dict[str, list[float]]] = {name: {} for name in medians}
     for shape, tree in tqdm(shapes.items(), desc="shapes"):
         steps = {name: ours_step(model, prefix, tree) for name, model in candidates.items()}
+        steps[MODULE_BY_MODULE] = module_by_module(steps[MODULE_BY_MODULE])
         for name, model in peers.items():
             if (step := transformers_step(model, prefix, tree)) is not None:
                 steps[name] = step

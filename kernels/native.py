@@ -13,6 +13,8 @@
   the residual add before it in the same pass.
 * `rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)`: rotary q and k
   out of the fused projection, k and v written to their cache slots (`kernels/cpu/rope_kv.cpp`).
+* `DecoderStack` (a class): a model's decoder layers in one call over weights bound once, the
+  very ops above in `DecoderLayer`'s order (`kernels/cpu/decoder_stack.cpp`).
 * `row_argmax`, `filter_stats`, `sample_rows`: sampling's passes over rows of logits, argmax,
   filtered distributions without a sort, inverse-CDF draws (`kernels/cpu/sampling_rows.cpp`;
   `specserve.sampling` calls them).
@@ -38,7 +40,7 @@ import torch
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp",
-                        "sampling_rows.cpp")]
+                        "sampling_rows.cpp", "decoder_stack.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -172,3 +174,10 @@ def rope_write_kv(
     load()
     return torch.ops.specserve_cpu.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                                                  num_kv_heads)
+
+
+def decoder_stack(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  eps: float) -> torch.ScriptObject:
+    """An empty `DecoderStack` for a model of this shape (weights bound with its methods)."""
+    load()
+    return torch.classes.specserve_cpu.DecoderStack(num_layers, num_heads, num_kv_heads, head_dim, eps)

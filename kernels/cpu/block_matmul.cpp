@@ -28,23 +28,31 @@ namespace {
 
 constexpr int64_t kActBlock = 32;  // activation quantization block (one int8 scale each)
 
+// The int8 activations and their per-block numbers, in one allocation read through raw pointers
+// (a decode makes a hundred small matmuls a step: allocations and tensor accessors add up).
 struct Activations {
-  at::Tensor q;       // int8 [M, K]
-  at::Tensor scale;   // f32 [M, K / 32]
-  at::Tensor sums;    // f32 [M, K / group]: scale * sum(q) over each weight group
-  at::Tensor lanes;   // f32 [M, K / 4]: each block's scale once per int32 lane (512-bit path; or empty)
+  at::Tensor storage;
+  int64_t M, K;
+  int8_t* q;      // [M, K]
+  float* scale;   // [M, K / 32]
+  float* sums;    // [M, K / group]: scale * sum(q) over each weight group
+  float* lanes;   // [M, K / 4]: each block's scale once per int32 lane (512-bit path), or nullptr
 };
 
 // `lanes`: also fill `Activations::lanes` (the untiled 512-bit path's; the tiles never read it).
 Activations quantize_activations(const at::Tensor& x, int64_t group, bool lanes) {
   const int64_t M = x.size(0), K = x.size(1);
-  Activations a{at::empty({M, K}, at::kChar), at::empty({M, K / kActBlock}, at::kFloat),
-                at::empty({M, K / group}, at::kFloat), at::empty({lanes ? M : 0, K / 4}, at::kFloat)};
-  float* lp = lanes ? a.lanes.data_ptr<float>() : nullptr;
+  const int64_t scales = M * (K / kActBlock), sums = M * (K / group), lane_count = lanes ? M * (K / 4) : 0;
+  const int64_t floats = scales + sums + lane_count;
+  at::Tensor storage = at::empty({floats * static_cast<int64_t>(sizeof(float)) + M * K}, at::kByte);
+  float* f = reinterpret_cast<float*>(storage.data_ptr<uint8_t>());
+  Activations a{storage, M, K, reinterpret_cast<int8_t*>(f + floats), f, f + scales,
+                lanes ? f + scales + sums : nullptr};
+  float* lp = a.lanes;
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = a.q.data_ptr<int8_t>();
-  float* sp = a.scale.data_ptr<float>();
-  float* sump = a.sums.data_ptr<float>();
+  int8_t* qp = a.q;
+  float* sp = a.scale;
+  float* sump = a.sums;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / kActBlock; ++b) {
       int8_t* qb = qp + m * K + b * kActBlock;
@@ -288,12 +296,12 @@ template <int Bits, int Group, int R>
 inline void rows_of_output(const uint8_t* codes, const float* scale, const float* min, const Activations& a,
                            int64_t m, int64_t K, float* y, int64_t ldy) {
   const int64_t spans = K / 32, groups = K / Group;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
-  const float* xsums = a.sums.data_ptr<float>() + m * groups;
+  const int8_t* xq = a.q + m * K;
+  const float* xsums = a.sums + m * groups;
   if (kWide && spans % 2 == 0)
-    output_rows_wide<Bits, Group, R>(codes, scale, min, xq, a.lanes.data_ptr<float>() + m * (K / 4), xsums, K, y, ldy);
+    output_rows_wide<Bits, Group, R>(codes, scale, min, xq, a.lanes + m * (K / 4), xsums, K, y, ldy);
   else
-    output_rows<Bits, Group, R>(codes, scale, min, xq, a.scale.data_ptr<float>() + m * spans, xsums, K, y, ldy);
+    output_rows<Bits, Group, R>(codes, scale, min, xq, a.scale + m * spans, xsums, K, y, ldy);
 }
 
 // Outputs n and n + 1, rows [0, R), through the 512-bit kernel (only when the spans pair up).
@@ -301,15 +309,15 @@ template <int Bits, int Group, int R>
 inline void rows_of_output_pair(const uint8_t* codes, int64_t code_row, const float* scale, const float* min,
                                 const Activations& a, int64_t m, int64_t K, float* y, int64_t ldy) {
   const int64_t groups = K / Group;
-  output_pair_rows_wide<Bits, Group, R>(codes, code_row, scale, min, a.q.data_ptr<int8_t>() + m * K,
-                                        a.lanes.data_ptr<float>() + m * (K / 4), a.sums.data_ptr<float>() + m * groups,
+  output_pair_rows_wide<Bits, Group, R>(codes, code_row, scale, min, a.q + m * K,
+                                        a.lanes + m * (K / 4), a.sums + m * groups,
                                         K, y, ldy);
 }
 
 template <int Bits, int Group>
 void block_matmul_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& min, at::Tensor& y) {
-  const int64_t M = a.q.size(0), K = a.q.size(1), N = codes.size(0);
+  const int64_t M = a.M, K = a.K, N = codes.size(0);
   const int64_t code_row = codes.size(1), groups = K / Group;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -395,8 +403,8 @@ struct RowActivations {
   const float* scale;
   const float* sums;
   static RowActivations of(const Activations& a, int64_t m, int64_t groups) {
-    return {a.q.data_ptr<int8_t>() + m * groups * 32, a.scale.data_ptr<float>() + m * groups,
-            a.sums.data_ptr<float>() + m * groups};
+    return {a.q + m * groups * 32, a.scale + m * groups,
+            a.sums + m * groups};
   }
 };
 
@@ -568,9 +576,9 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
   const int64_t K = groups * 32;
   const auto half = [](uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); };
   for (int r = 0; r < R; ++r) {
-    const int8_t* xq = a.q.data_ptr<int8_t>() + (m + r) * K;
-    const float* xs = a.scale.data_ptr<float>() + (m + r) * groups;
-    const float* xsum = a.sums.data_ptr<float>() + (m + r) * groups;
+    const int8_t* xq = a.q + (m + r) * K;
+    const float* xs = a.scale + (m + r) * groups;
+    const float* xsum = a.sums + (m + r) * groups;
     float acc[kTile] = {0};
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* c = codes + g * tile_group_bytes<Bits>();
@@ -595,7 +603,7 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
 template <int Bits>
 void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                 at::Tensor& y) {
-  const int64_t M = a.q.size(0), tiles = codes.size(0), groups = codes.size(1), N = tiles * kTile;
+  const int64_t M = a.M, tiles = codes.size(0), groups = codes.size(1), N = tiles * kTile;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());

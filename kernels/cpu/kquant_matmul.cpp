@@ -40,22 +40,28 @@ namespace {
 
 constexpr int64_t kSuper = 256;
 
+// The int8 activations and their per-block numbers, in one allocation read through raw pointers.
 struct SuperActivations {
-  at::Tensor q;     // int8 [M, K]
-  at::Tensor scale; // f32 [M, K / 256]
-  at::Tensor sums;  // f32 [M, K / sub]: sum of the int8 codes over each weight sub-block (exact)
-  at::Tensor pairs; // int32 [M, K / sub / 2]: those sums as int16 pairs (sub-blocks 2p, 2p + 1), for dpwssd
+  at::Tensor storage;
+  int64_t M, K;
+  int8_t* q;       // [M, K]
+  float* scale;    // [M, K / 256]
+  float* sums;     // [M, K / sub]: sum of the int8 codes over each weight sub-block (exact)
+  int32_t* pairs;  // [M, K / sub / 2]: those sums as int16 pairs (sub-blocks 2p, 2p + 1), for dpwssd
 };
 
 SuperActivations quantize_rows(const at::Tensor& x, int64_t sub) {
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kSuper;
-  SuperActivations a{at::empty({M, K}, at::kChar), at::empty({M, blocks}, at::kFloat),
-                     at::empty({M, K / sub}, at::kFloat), at::empty({M, K / sub / 2}, at::kInt)};
-  int32_t* pairs = a.pairs.data_ptr<int32_t>();
+  const int64_t words = M * blocks + M * (K / sub) + M * (K / sub / 2);  // floats and int32s
+  at::Tensor storage = at::empty({words * 4 + M * K}, at::kByte);
+  float* f = reinterpret_cast<float*>(storage.data_ptr<uint8_t>());
+  SuperActivations a{storage, M, K, reinterpret_cast<int8_t*>(f + words), f, f + M * blocks,
+                     reinterpret_cast<int32_t*>(f + M * blocks + M * (K / sub))};
+  int32_t* pairs = a.pairs;
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = a.q.data_ptr<int8_t>();
-  float* sp = a.scale.data_ptr<float>();
-  float* sums = a.sums.data_ptr<float>();
+  int8_t* qp = a.q;
+  float* sp = a.scale;
+  float* sums = a.sums;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -189,9 +195,9 @@ void output_rows(const Weights& w, int64_t n, const SuperActivations& a, int64_t
   constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
   constexpr __mmask16 kMinLanes = subs == 16 ? 0xFFFF : 0x00FF;
   const int64_t K = w.K, blocks = K / kSuper;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
-  const float* xs = a.scale.data_ptr<float>() + m * blocks;
-  const float* xsum = a.sums.data_ptr<float>() + m * (K / sub);
+  const int8_t* xq = a.q + m * K;
+  const float* xs = a.scale + m * blocks;
+  const float* xsum = a.sums + m * (K / sub);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -233,9 +239,9 @@ void output_rows(const Weights& w, int64_t n, const SuperActivations& a, int64_t
   constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
   const int64_t K = w.K, blocks = K / kSuper;
   for (int r = 0; r < R; ++r) {
-    const int8_t* xq = a.q.data_ptr<int8_t>() + (m + r) * K;
-    const float* xs = a.scale.data_ptr<float>() + (m + r) * blocks;
-    const float* xsum = a.sums.data_ptr<float>() + (m + r) * (K / sub);
+    const int8_t* xq = a.q + (m + r) * K;
+    const float* xs = a.scale + (m + r) * blocks;
+    const float* xsum = a.sums + (m + r) * (K / sub);
     float acc = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
       float scales[16], mins[16];
@@ -260,7 +266,7 @@ void output_rows(const Weights& w, int64_t n, const SuperActivations& a, int64_t
 
 template <int Bits>
 void kquant_impl(const SuperActivations& a, const Weights& w, int64_t N, at::Tensor& y) {
-  const int64_t M = a.q.size(0);
+  const int64_t M = a.M;
   float* yp = y.data_ptr<float>();
   constexpr int kRows = 8;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -304,9 +310,9 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
                 const SuperActivations& a, int64_t m, float* y, int64_t ldy, int64_t ahead) {
   constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
   const int64_t K = blocks * kSuper;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
-  const float* xs = a.scale.data_ptr<float>() + m * blocks;
-  const int32_t* xpairs = a.pairs.data_ptr<int32_t>() + m * (K / sub / 2);
+  const int8_t* xq = a.q + m * K;
+  const float* xs = a.scale + m * blocks;
+  const int32_t* xpairs = a.pairs + m * (K / sub / 2);
   const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -419,9 +425,9 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
                 const SuperActivations& a, int64_t m, float* y, int64_t ldy, int64_t ahead) {
   constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub, kPairs = subs / 2;
   const int64_t K = blocks * kSuper;
-  const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
-  const float* xs = a.scale.data_ptr<float>() + m * blocks;
-  const int32_t* xpairs = a.pairs.data_ptr<int32_t>() + m * (K / sub / 2);
+  const int8_t* xq = a.q + m * K;
+  const float* xs = a.scale + m * blocks;
+  const int32_t* xpairs = a.pairs + m * (K / sub / 2);
   const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -519,9 +525,9 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
   constexpr int64_t sub = sub_size<Bits>(), subs = kSuper / sub;
   const int64_t K = blocks * kSuper;
   for (int r = 0; r < R; ++r) {
-    const int8_t* xq = a.q.data_ptr<int8_t>() + (m + r) * K;
-    const float* xs = a.scale.data_ptr<float>() + (m + r) * blocks;
-    const float* xsum = a.sums.data_ptr<float>() + (m + r) * (K / sub);
+    const int8_t* xq = a.q + (m + r) * K;
+    const float* xs = a.scale + (m + r) * blocks;
+    const float* xsum = a.sums + (m + r) * (K / sub);
     for (int o = 0; o < kTile; ++o) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
@@ -564,7 +570,7 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
 template <int Bits>
 void ktiled_impl(const SuperActivations& a, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& d,
                  const at::Tensor& dmin, at::Tensor& y) {
-  const int64_t M = a.q.size(0), tiles = codes.size(0), blocks = codes.size(1), N = tiles * kTile;
+  const int64_t M = a.M, tiles = codes.size(0), blocks = codes.size(1), N = tiles * kTile;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
   const float* dp = d.data_ptr<float>();

@@ -49,11 +49,12 @@ class QuantizedRows:
     def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`matmul` as one call of this CPU's kernel with the weight's tensors bound (made once)."""
         if "_kernel" not in self.__dict__:
-            kernel, args = self._kernel_call()
+            kernel, args = self.kernel_call()
             self.__dict__["_kernel"] = lambda x: kernel(x, *args)
         return self.__dict__["_kernel"]
 
-    def _kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
+    def kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
+        """This CPU's kernel op and the arguments after `x` it takes for this weight (tensors, then ints)."""
         raise NotImplementedError
 
     def _repack(self, isa: str) -> tuple[torch.Tensor, ...] | None:
@@ -111,7 +112,7 @@ class BlockWeight(QuantizedRows):
     def shape(self) -> tuple[int, int]:
         return self.scale.shape[0], self.scale.shape[1] * self.group
 
-    def _kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
+    def kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
         """`kernels/cpu/block_matmul.cpp` (activations quantized per 32 inputs), over the tiles where
         this CPU has them (the same arithmetic per output, other instructions)."""
         tiles = self.tiles()
@@ -196,7 +197,7 @@ class SuperBlockWeight(QuantizedRows):
     def group(self) -> int:
         return 32 if self.bits == 4 else 16
 
-    def _kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
+    def kernel_call(self) -> tuple[Callable[..., torch.Tensor], tuple]:
         """`kernels/cpu/kquant_matmul.cpp` (activations quantized per 256 inputs), over the tiles where
         this CPU has them; the groups' kernel where it has only the expanded groups (see _repack)."""
         tiles = self.tiles()

@@ -32,6 +32,18 @@ from specserve.models.gguf import BlockWeight, QuantizedRows
 
 LARGE_STEP_TOKENS = 128
 PACK_BATCH_HINT = 64  # the oneDNN packing measured fastest for every step size up to 128 tokens
+_weights_generation = 0  # bumped whenever any projection takes new weights
+
+
+def weights_generation() -> int:
+    """A number that changes whenever any projection's weights change: what was built over the
+    weights (a model's `DecoderStack`) is stale when it differs from the one it was built at."""
+    return _weights_generation
+
+
+def _weights_changed() -> None:
+    global _weights_generation
+    _weights_generation += 1
 
 
 def packing_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -73,6 +85,7 @@ class Projection(DirectModule):
                        tiles: bool = True) -> None:
         """Take GGUF block weights (one per block, in order); they stay in their own format.
         `tiles=False` leaves this CPU's layout to the first matmul (weights about to be requantized)."""
+        _weights_changed()
         shapes = [b.shape for b in blocks]
         if shapes != [(n, self.in_features) for n in self.out_sizes]:
             raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
@@ -84,6 +97,7 @@ class Projection(DirectModule):
 
     def restore_quantized(self, weights: Sequence[QuantizedRows], fused_bias: torch.Tensor | None) -> None:
         """Take weights as `load_quantized` left them (fused, tiles made), e.g. from prepared weights."""
+        _weights_changed()
         if sum(w.shape[0] for w in weights) != sum(self.out_sizes) or any(w.shape[1] != self.in_features
                                                                            for w in weights):
             raise ValueError(f"weights {[w.shape for w in weights]} do not fit a projection "
@@ -116,6 +130,7 @@ class Projection(DirectModule):
 
     def load(self, blocks: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None, pack: bool) -> None:
         """Take the checkpoint's weights (one per block, in order); `pack` selects packed mode."""
+        _weights_changed()
         shapes = [tuple(b.shape) for b in blocks]
         if shapes != [(n, self.in_features) for n in self.out_sizes]:
             raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
@@ -134,6 +149,7 @@ class Projection(DirectModule):
         quantized per call): half the bytes of bf16 to read, for a draft model whose forwards are
         bandwidth-bound. It changes the outputs slightly, so it is for drafts only, whose tokens
         the target verifies anyway. Large steps keep the plain weights."""
+        _weights_changed()
         if self.quantized:
             return  # GGUF blocks already read fewer bytes than int8
         weight = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)).float()

@@ -9,6 +9,7 @@ overhead (see `specserve.models.linear`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from kernels import native, ops
 from kernels.metadata import AttentionMetadata
 from specserve.kv_cache import KVCache
 from specserve.models.config import ModelConfig
-from specserve.models.linear import DirectModule, Projection
+from specserve.models.linear import DirectModule, Projection, weights_generation
 from specserve.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -135,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Projection(config.hidden_size, [config.vocab_size])
         self.rotary: RotaryEmbedding | None = None  # built after weights are loaded (not on meta)
         self.output_ids: torch.Tensor | None = None  # the tokens the LM head scores (None: all)
+        self._stack: tuple[int, torch.ScriptObject | None] | None = None  # (weights generation, stack)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -212,13 +214,63 @@ class LlamaForCausalLM(nn.Module):
         """`run_layers` with the last residual add left to the caller: the stream out is x + delta."""
         cos, sin = self.rotary(meta.positions)
         x, delta = self.embed_tokens(input_ids), None
-        for index, layer in enumerate(self.layers[:num_layers]):
-            if hidden is not None and index in hidden_at:
-                if delta is not None:
-                    x, delta = x + delta, None
-                hidden[index] = x
-            x, delta = layer(x, delta, cos, sin, kv_cache, meta)
-        return x, delta
+        count = len(self.layers[:num_layers])
+        stack = self._decoder_stack(x, kv_cache)
+        start = 0
+        for index in sorted(k for k in set(hidden_at) if k < count) if hidden is not None else ():
+            x, delta = self._run(stack, x, delta, cos, sin, kv_cache, meta, start, index)
+            if delta is not None:
+                x, delta = x + delta, None
+            hidden[index] = x
+            start = index
+        return self._run(stack, x, delta, cos, sin, kv_cache, meta, start, count)
+
+    def _run(self, stack: torch.ScriptObject | None, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+             sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, begin: int,
+             end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers [begin, end): in one C++ call where the stack serves this step, else module by module."""
+        if stack is None:
+            for layer in self.layers[begin:end]:
+                x, delta = layer(x, delta, cos, sin, kv_cache, meta)
+            return x, delta
+        if begin == end:
+            return x, delta
+        return stack.forward(x, delta, cos, sin, kv_cache.k, kv_cache.v, meta.slot_mapping, meta.query_start_loc,
+                             meta.context_lens, meta.block_tables, meta.ancestor_mask,
+                             self.layers[0].self_attn.scale, begin, end)
+
+    def _decoder_stack(self, x: torch.Tensor, kv_cache: KVCache) -> torch.ScriptObject | None:
+        """The layers as one C++ call (`native.decoder_stack`: the same ops, a fraction of the
+        per-op cost), where the layers would take exactly its path: fp32 on the CPU through our
+        attention kernel, every projection in quantized blocks. None elsewhere, or with
+        SPECSERVE_DECODER_STACK=0 (module by module, the same bits)."""
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or kv_cache.k.dtype != torch.float32
+                or ops.backend(x.device, torch.float32) != "cpu" or os.environ.get("SPECSERVE_DECODER_STACK") == "0"):
+            return None
+        generation = weights_generation()
+        if self._stack is None or self._stack[0] != generation:
+            self._stack = (generation, self._build_stack())
+        return self._stack[1]
+
+    def _build_stack(self) -> torch.ScriptObject | None:
+        layers = list(self.layers)
+        slots = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                 for layer in layers]
+        if not layers or not all(p.quantized for projections in slots for p in projections):
+            return None
+        cfg = self.config
+        stack = native.decoder_stack(len(layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        for index, (layer, projections) in enumerate(zip(layers, slots, strict=True)):
+            stack.set_norms(index, layer.input_layernorm.weight.detach(),
+                            layer.post_attention_layernorm.weight.detach())
+            for slot, projection in enumerate(projections):
+                for weight in projection.quantized:
+                    op, args = weight.kernel_call()
+                    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                    stack.add_part(index, slot, projection.in_features, op.name(), tensors, list(args[len(tensors):]))
+                if projection.fused_bias is not None:
+                    stack.set_bias(index, slot, projection.fused_bias)
+        return stack
 
     def score(self, normed: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the whole vocabulary for final-normed hidden states."""
