@@ -23,7 +23,7 @@ c10::OperatorHandle handle(const char* name) {
 }
 
 // One weight of a projection: a matmul op of ours with its weight's tensors and ints bound
-// (`QuantizedRows.kernel`'s call), computing that weight's slice of the outputs.
+// (`QuantizedRows.kernel_call()`), computing that weight's slice of the outputs.
 struct Part {
   c10::OperatorHandle op;
   std::vector<at::Tensor> tensors;
@@ -101,8 +101,9 @@ class DecoderStack : public torch::CustomClassHolder {
   void set_bias(int64_t layer, int64_t slot, at::Tensor bias) { projection(layer, slot).bias = std::move(bias); }
 
   // Layers [begin, end) over the step: the residual stream enters as x + delta (delta absent: x)
-  // and leaves as the sum of the two returned tensors, as `DecoderLayer.forward` has it.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, std::optional<at::Tensor> delta, const at::Tensor& cos,
+  // and leaves as the sum of the two returned tensors, as `DecoderLayer.forward` has it (an empty
+  // range returns them as they came).
+  std::tuple<at::Tensor, std::optional<at::Tensor>> forward(at::Tensor x, std::optional<at::Tensor> delta, const at::Tensor& cos,
                                              const at::Tensor& sin, const at::Tensor& k_cache,
                                              const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                              const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -112,10 +113,11 @@ class DecoderStack : public torch::CustomClassHolder {
                 "DecoderStack: layers [", begin, ", ", end, ") outside [0, ", layers_.size(), ")");
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == static_cast<int64_t>(layers_.size()),
                 "DecoderStack: caches must be [layers, blocks, block_size, kv_heads, head_dim]");
-    const int64_t tokens = x.size(0), intermediate = layers_[begin].projections[kDown].in_features;
+    const int64_t tokens = x.size(0);
     at::Tensor h, dx = delta ? *delta : at::Tensor();
     for (int64_t i = begin; i < end; ++i) {
       const Layer& l = layers_[i];
+      const int64_t intermediate = l.projections[kDown].in_features;
       std::tie(x, h) = residual_norm(x, dx, l.input_norm);
       const at::Tensor qkv = l.projections[kQkv](h);
       auto [k, v] = cache_layer(k_cache, v_cache, i);
@@ -128,6 +130,7 @@ class DecoderStack : public torch::CustomClassHolder {
       dx = l.projections[kDown](at::silu(gate_up.narrow(-1, 0, intermediate)) *
                                 gate_up.narrow(-1, intermediate, intermediate));
     }
+    if (!dx.defined()) return {x, std::nullopt};
     return {x, dx};
   }
 

@@ -233,8 +233,6 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers[begin:end]:
                 x, delta = layer(x, delta, cos, sin, kv_cache, meta)
             return x, delta
-        if begin == end:
-            return x, delta
         return stack.forward(x, delta, cos, sin, kv_cache.k, kv_cache.v, meta.slot_mapping, meta.query_start_loc,
                              meta.context_lens, meta.block_tables, meta.ancestor_mask,
                              self.layers[0].self_attn.scale, begin, end)
