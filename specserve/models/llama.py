@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         """`run_layers` with the last residual add left to the caller: the stream out is x + delta."""
         cos, sin = self.rotary(meta.positions)
         x, delta = self.embed_tokens(input_ids), None
-        count = len(self.layers[:num_layers])
+        count = len(range(self.config.num_layers)[:num_layers])  # slicing the ModuleList builds a new one
         stack = self._decoder_stack(x, kv_cache)
         start = 0
         for index in sorted(k for k in set(hidden_at) if k < count) if hidden is not None else ():
