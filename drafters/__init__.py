@@ -32,6 +32,8 @@ class DrafterOptions:
     # Unless `vocab` is given, draft models with more than twice this many tokens score this many
     # (the engine sets it on a CPU, where the LM head is a large share of a draft forward)
     default_vocab: int | None = None
+    device: torch.device = torch.device("cpu")  # the target's: draft models and their K/V live there too
+    load_format: str = "auto"  # draft models' weights, as the target's (`dummy`: random at their config's shape)
 
 
 def build_drafter(spec: str | None, options: DrafterOptions | None = None,
@@ -56,6 +58,10 @@ def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
         from drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if part.kind == "replay":
+        from drafters.replay import ReplayDrafter
+
+        return ReplayDrafter(float(part.arg), width=options.top_k)
     if part.kind in ("feature", "early-exit-head"):
         from drafters.heads import EarlyExitHeadDrafter, FeatureHeadDrafter
 
@@ -68,4 +74,4 @@ def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
     from drafters.draft_model import DraftModelDrafter
 
     return DraftModelDrafter.load(str(part.arg), options.dtype, options.top_k, options.beam, options.vocab,
-                                  options.quantization, options.default_vocab)
+                                  options.quantization, options.default_vocab, options.device, options.load_format)

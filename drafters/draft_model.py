@@ -37,7 +37,8 @@ class DraftModelDrafter(TreeSearchDrafter, OwnsKV):
     @classmethod
     def load(cls, name_or_path: str, dtype: str | torch.dtype | None, top_k: int = 4, beam: int = 4,
              vocab: int | None = None, quantization: str | None = None,
-             default_vocab: int | None = None) -> DraftModelDrafter:
+             default_vocab: int | None = None, device: torch.device | str = "cpu",
+             load_format: str = "auto") -> DraftModelDrafter:
         """A known model name (pulled on first use), an HF directory or a .gguf file. `vocab`:
         score only the first `vocab` token ids and the model's special tokens (see below); None:
         `default_vocab` where the model has more than twice that many, else all.
@@ -52,7 +53,8 @@ class DraftModelDrafter(TreeSearchDrafter, OwnsKV):
             raise ValueError(f"draft quantization {quantization!r}: use int8, int4 or none")
         path: Path = resolve_model(name_or_path)
         # int4 blocks compute in fp32 whatever the target's dtype (the draft's K/V are its own)
-        model = load_model(path, None, "int4") if quantization == "int4" else load_model(path, dtype, "auto")
+        model = (load_model(path, None, "int4", load_format, device) if quantization == "int4"
+                 else load_model(path, dtype, "auto", load_format, device))
         if vocab is None and default_vocab is not None and model.config.vocab_size > 2 * default_vocab:
             vocab = default_vocab
         if vocab is not None and vocab < model.config.vocab_size:
@@ -69,7 +71,8 @@ class DraftModelDrafter(TreeSearchDrafter, OwnsKV):
         if self.model.config.vocab_size > target.vocab_size + 1024:  # padded vocabularies differ a little
             raise ValueError(f"draft model {self.spec!r} has a vocabulary of {self.model.config.vocab_size} tokens, "
                              f"the target {target.vocab_size}: a draft model must share the target's tokenizer")
-        cache = KVCache.for_model(self.model.config, target.num_blocks, target.block_size, self.model.dtype)
+        cache = KVCache.for_model(self.model.config, target.num_blocks, target.block_size, self.model.dtype,
+                                  self.model.norm.weight.device)
         self.runner = ModelRunner(self.model, cache)
         self.vocab_size = target.vocab_size
 

@@ -6,6 +6,7 @@
     early-exit:PATH        a trained early-exit head (`specserve train-drafter --kind early-exit`)
     early-exit:trained     the trained early-exit head shipped for the target
     feature[:PATH]         an EAGLE-style feature head; without PATH the one shipped for the target
+    replay:ALPHA           for benchmarks: the target's recorded continuation, each token kept with probability ALPHA
     NAME or PATH           a draft model sharing the target's tokenizer
     A+B                    several drafters, their trees merged into one
 """
@@ -14,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KNOWN_KINDS = ("none", "ngram", "early-exit", "feature")
+KNOWN_KINDS = ("none", "ngram", "early-exit", "feature", "replay")
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    kind: str  # "ngram", "early-exit", "early-exit-head", "feature" or "model"
+    kind: str  # "ngram", "early-exit", "early-exit-head", "feature", "replay" or "model"
     arg: str | None = None  # early-exit: layers; heads: a path (None: the shipped head); model: name or path
 
     def __str__(self) -> str:
@@ -60,4 +61,13 @@ def _parse_part(part: str, spec: str) -> DrafterSpec:
         return DrafterSpec("early-exit", arg or None)
     if kind == "feature":
         return DrafterSpec("feature", arg or None)
+    if kind == "replay":
+        try:
+            alpha = float(arg)
+        except ValueError:
+            alpha = -1.0
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"drafter spec {spec!r}: replay:ALPHA needs an acceptance ALPHA in [0, 1], "
+                             "e.g. replay:0.8")
+        return DrafterSpec("replay", f"{alpha:g}")
     return DrafterSpec("model", part)

@@ -7,6 +7,7 @@ table, then shared by every layer (and by the draft model's forwards).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -46,6 +47,44 @@ def chain_masks(lens: torch.Tensor, max_n: int) -> torch.Tensor:
     rows and columns past its length False."""
     index = torch.arange(max_n)
     return (index[None, :, None] >= index[None, None, :]) & (index[None, :, None] < lens[:, None, None])
+
+
+def to_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on `device` in one transfer: their bytes packed into one pinned buffer (the
+    widest elements first, each at an offset aligned for its type), copied without blocking,
+    then viewed as the tensors again. On the CPU: the tensors themselves."""
+    if device.type == "cpu":
+        return list(tensors)
+    buffer, layout = pack(tensors, pin=True)
+    return unpack(buffer.to(device, non_blocking=True), layout)
+
+
+Layout = list[tuple[int, torch.dtype, tuple[int, ...]]]  # per tensor: byte offset, dtype, shape
+
+
+def pack(tensors: Sequence[torch.Tensor], pin: bool = False) -> tuple[torch.Tensor, Layout]:
+    """The tensors' bytes in one uint8 buffer (`to_device`'s), and where each lies."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    offsets, total = [0] * len(tensors), 0
+    for i in order:
+        size = tensors[i].element_size()
+        total = -(-total // size) * size
+        offsets[i] = total
+        total += tensors[i].numel() * size
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    for t, offset in zip(tensors, offsets, strict=True):
+        nbytes = t.numel() * t.element_size()
+        buffer[offset:offset + nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
+    return buffer, [(o, t.dtype, tuple(t.shape)) for t, o in zip(tensors, offsets, strict=True)]
+
+
+def unpack(buffer: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """The tensors `pack` laid out, as views of `buffer` (on whatever device it now is)."""
+    out = []
+    for offset, dtype, shape in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append(buffer[offset:offset + nbytes].view(dtype).view(shape))
+    return out
 
 
 def slots_for(block_table: Sequence[int], start: int, count: int, block_size: int) -> list[int]:
@@ -101,19 +140,17 @@ class AttentionMetadata:
         starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
 
         def as_tensor(x: Sequence[int]) -> torch.Tensor:
-            return torch.as_tensor(x, dtype=torch.int64, device=device)
+            return torch.as_tensor(x, dtype=torch.int64)
 
-        return cls(
-            block_size=block_size,
-            query_start_loc=starts.to(device),
-            context_lens=as_tensor(context_lens),
-            tree_lens=tree_lens.to(device),
-            block_tables=tables.to(device),
-            slot_mapping=as_tensor(slots),
-            positions=as_tensor(positions),
-            ancestor_mask=masks.to(device),
-            all_chains=all(t.is_chain for t in trees),
-        )
+        host = [starts, as_tensor(context_lens), tree_lens, tables, as_tensor(slots), as_tensor(positions), masks]
+        meta = cls(block_size, *to_device(host, torch.device(device)), all_chains=all(t.is_chain for t in trees))
+        # What the host already knows, so that asking never reads back from an accelerator
+        facts = {"max_tree_len": max_n, "max_context_len": max(context_lens),
+                 "max_seq_len": max(c + n for c, n in zip(context_lens, lens, strict=True)),
+                 "is_rectangular": all(n == max_n for n in lens),
+                 "is_fresh_prefill": len(trees) == 1 and meta.all_chains and context_lens[0] == 0}
+        meta.__dict__.update(facts)  # the cached properties' own slots
+        return meta
 
     # -- sizes ----------------------------------------------------------------------------
 

@@ -55,6 +55,8 @@ def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress
             request = TreeRequest(TokenTree.chain([0] * n), context, table.block_ids, "last")
             start = time.perf_counter()
             runner.forward([request])
+            if runner.device.type == "cuda":  # kernels run asynchronously: a step ends when they do
+                torch.cuda.synchronize(runner.device)
             if step >= len(sizes):  # the first pass warms up
                 times[n].append(time.perf_counter() - start)
     finally:
@@ -92,6 +94,9 @@ def _cache_file(runner: ModelRunner, model_path: Path, max_tokens: int, cache: P
         "format": runner.model.weight_format(), "kernels": native.build_key(),
         "dtype": str(runner.model.dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "machine": platform.machine(), "processor": processor_name(), "cpus": os.cpu_count(),
+        # (an accelerator's name; CPU keys stay as they were, their cached tables still valid)
+        **({"device": str(runner.device), "gpu": torch.cuda.get_device_name(runner.device)}
+           if runner.device.type == "cuda" else {}),
         "block_size": runner.block_size, "max_tokens": max_tokens, "sizes": calibration_sizes(max_tokens),
     }, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

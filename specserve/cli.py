@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from specserve.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_MEMORY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="ablation YAML (configs/ablations/*.yaml)")
     p.add_argument("--out", default=None, help="results directory (default results/<name>); a rerun resumes there")
     p.add_argument("--report-only", action="store_true", help="rewrite report.md and the plots from results.json")
+    p.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the file's engine.device, "
+                                                  "else auto: CUDA when torch sees a GPU)")
     p.set_defaults(func=_cmd_ablate)
     return parser
 
@@ -194,6 +197,8 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     from specserve.ablation.runner import run_ablation
 
     config = load_ablation(args.config)
+    if args.device is not None:
+        config.engine["device"] = args.device
     out = Path(args.out or Path("results") / config.name)
     if not args.report_only:
         run_ablation(config, out, base=Path(args.config).resolve().parent)
@@ -249,8 +254,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "int4 blocks for the CPU kernel (a GGUF's 5- to 8-bit blocks too), or none (as loaded); "
                         "default: int4 on a CPU, none on a GPU")
     p.add_argument("--kv-cache-memory", default=None,
-                   help=f"KV pool size: bytes (2GiB, 512MB) or a fraction of available memory (0.2); "
-                        f"default {DEFAULT_KV_CACHE_MEMORY}")
+                   help=f"KV pool size: bytes (2GiB, 512MB) or a fraction (0.2): on a CPU of available memory, "
+                        f"on a GPU of the whole GPU, weights and activations included (as vLLM's "
+                        f"--gpu-memory-utilization); default {DEFAULT_KV_CACHE_MEMORY} on a CPU, "
+                        f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
                    help="auto (default): a GGUF model (every known model) serves its own quantized blocks with "
                         "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp; in float32: "
@@ -258,8 +265,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "dequantized exactly; int8 / int4: any checkpoint's weights requantized per group of 32 "
                         "for the same kernel")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: float32 for a GGUF's quantized blocks; otherwise bfloat16 where the CPU "
-                        "supports it, else float32")
+                   help="default: bfloat16 on CUDA; on a CPU float32 for a GGUF's quantized blocks, otherwise "
+                        "bfloat16 where the CPU supports it, else float32")
+    p.add_argument("--device", default=None,
+                   help="where the model, drafters and KV pool live: auto (default: CUDA when torch sees a GPU, "
+                        "else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                   help="auto (default): the target's weights; dummy: random weights at the shape of its "
+                        "config.json (configs/models/ has Llama-2-7B, -13B, Llama-3.1-8B and a 160M draft), "
+                        "a synthetic byte tokenizer where the directory has none: for measuring speed")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running per step at most (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -275,7 +289,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
     settings = load_config_file(args.config) if args.config else {}
     for name in ("target", "draft", "speculation", "max_tree_tokens", "draft_top_k", "draft_beam", "draft_vocab",
                  "draft_quantization", "quantization", "kv_cache_memory", "dtype", "block_size", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching"):
+                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "device", "load_format"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     settings.setdefault("target", DEFAULT_TARGET)

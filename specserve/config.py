@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_KV_CACHE_MEMORY = "1GiB"
+DEFAULT_KV_CACHE_MEMORY = "1GiB"  # the KV pool on a CPU, unless told
+# On a GPU, unless told: the share of its memory that weights, activations and the KV pool take
+# together (vLLM's --gpu-memory-utilization default), the pool getting what a profiling forward leaves.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 SPECULATION_MODES = ("adaptive", "fixed", "off")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
 CPU_DRAFT_VOCAB = 32768  # draft models' scored tokens on a CPU, for vocabularies over twice this
@@ -27,7 +30,10 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64  # running sequences per step (a decoding sequence costs one token)
     max_num_batched_tokens: int = 512  # tokens per forward: prefill chunks + decode tokens + trees
-    kv_cache_memory: int | float | str = DEFAULT_KV_CACHE_MEMORY  # bytes, "2GiB", or a fraction of free RAM
+    # bytes, "2GiB", or a fraction: of available RAM on a CPU, of the whole GPU on one (weights and
+    # activations included, as vLLM's --gpu-memory-utilization). None: DEFAULT_KV_CACHE_MEMORY on a
+    # CPU, DEFAULT_GPU_MEMORY_UTILIZATION on a GPU.
+    kv_cache_memory: int | float | str | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
     draft: str = "none"  # drafter spec (see `drafters.spec`): "ngram", "early-exit:6", a model, "a+b", "none"
@@ -47,6 +53,12 @@ class EngineConfig:
     # The target's weights: "auto" serves a GGUF in its own quantized blocks (else the checkpoint
     # as saved); "none" serves plain weights (a GGUF's dequantized exactly).
     quantization: str = "auto"
+    # Where the target, its drafters and the KV pool live: "auto" (CUDA when there is one), "cpu",
+    # "cuda" or "cuda:N". bf16 is the default dtype on CUDA.
+    device: str = "auto"
+    # "auto": the model directory's weights; "dummy": random weights at its config.json's shape
+    # (`specserve.models.dummy`), to measure speed where the weights cannot be fetched.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -75,6 +87,11 @@ class EngineConfig:
 
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+        from specserve.models.loader import LOAD_FORMATS
+
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
+        self.torch_device  # validate early  # noqa: B018
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation {self.speculation!r}: use one of {', '.join(SPECULATION_MODES)}")
         from drafters.spec import parse_spec
@@ -112,8 +129,33 @@ class EngineConfig:
                 wide if self.draft_beam is None else self.draft_beam)
 
     @property
+    def torch_device(self) -> torch.device:
+        """`device` resolved: auto is CUDA where torch sees a GPU, else the CPU."""
+        import torch
+
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: torch sees no CUDA GPU here; use --device cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: there are {torch.cuda.device_count()} CUDA GPUs")
+        return device
+
+    @property
     def kv_cache_bytes(self) -> int:
-        return parse_memory(self.kv_cache_memory)
+        """The KV pool's size in bytes on a CPU."""
+        return parse_memory(DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory)
+
+    @property
+    def gpu_memory_fraction(self) -> float | None:
+        """On a GPU, the share of its memory the engine may fill (the pool sized after a profiling
+        forward, `gpu_kv_budget`); None where `kv_cache_memory` gives the pool's bytes."""
+        if self.kv_cache_memory is None:
+            return DEFAULT_GPU_MEMORY_UTILIZATION
+        return memory_fraction(self.kv_cache_memory)
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -132,6 +174,27 @@ def parse_memory(value: int | float | str) -> int:
     if value <= 0:
         raise ValueError(f"kv cache memory must be positive, got {value} bytes")
     return int(value)
+
+
+def memory_fraction(value: int | float | str) -> float | None:
+    """The fraction `value` names (0.3, "0.3"), or None for a size in bytes ("2GiB", 123456)."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str) and (match := re.fullmatch(r"\s*([0-9]*\.[0-9]+)\s*", value)):
+        number = float(match.group(1))
+        return number if number <= 1 else None
+    return None
+
+
+def gpu_kv_budget(total: int, in_use: int, fraction: float) -> int:
+    """Bytes the KV pool may take on a GPU of `total` bytes where the engine may fill `fraction` of
+    it and already takes `in_use` (weights, drafters, a profiling forward's activations)."""
+    budget = int(fraction * total) - in_use
+    if budget <= 0:
+        raise ValueError(f"the model takes {in_use / 2**30:.1f} GiB of the {fraction:.0%} of this GPU's "
+                         f"{total / 2**30:.1f} GiB that --kv-cache-memory allows: raise it (e.g. 0.95), or give "
+                         f"the pool's size in bytes")
+    return budget
 
 
 def available_memory() -> int:

@@ -4,12 +4,62 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.models.config import ModelConfig
 
 
-def load_tokenizer(path: str | Path):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# A dummy model's chat turns, where its directory brings no template of its own
+SYNTHETIC_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def load_tokenizer(path: str | Path, config: ModelConfig | None = None):
+    """The directory's tokenizer; with `config` (a dummy model's), a synthetic byte-level one of
+    the config's vocabulary where the directory has none (`synthetic_tokenizer`)."""
     from transformers import AutoTokenizer
 
+    if config is not None and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        return synthetic_tokenizer(config)
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def synthetic_tokenizer(config: ModelConfig):
+    """A tokenizer for random weights without a real one (e.g. `configs/models/llama-2-7b`): text
+    as UTF-8 bytes, one token each, the config's BOS and EOS ids as `<s>` and `</s>`, and every
+    other id decoding to `<tok_ID>`, so whatever a dummy model emits streams as text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = list(config.eos_token_ids)
+    special = {i: "<s>" for i in [config.bos_token_id] if i is not None}
+    special |= {i: "</s>" if n == 0 else f"</s{n}>" for n, i in enumerate(eos)}
+    free = [i for i in range(config.vocab_size) if i not in special]
+    if len(free) < 256:
+        raise ValueError(f"a synthetic tokenizer needs 256 ids for bytes: vocab_size {config.vocab_size} is too small")
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 characters ByteLevel maps bytes to
+    byte_chars.sort(key=_byte_of)
+    vocab = {char: i for char, i in zip(byte_chars, free, strict=False)}
+    vocab |= {f"<tok_{i}>": i for i in free[256:]}
+    vocab |= {name: i for i, name in special.items()}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    model.decoder = decoders.ByteLevel()
+    model.add_special_tokens(list(special.values()))
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token=special.get(config.bos_token_id),
+                                   eos_token="</s>" if eos else None, chat_template=SYNTHETIC_CHAT_TEMPLATE)
+
+
+def _byte_of(char: str) -> int:
+    """The byte GPT-2's byte-level alphabet shows as `char` (printable bytes as themselves)."""
+    code = ord(char)
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
 
 
 class IncrementalDetokenizer:

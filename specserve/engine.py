@@ -39,7 +39,7 @@ from drafters.base import Commit, Observes, OwnsKV, UsesTarget
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
 from specserve.calibration import load_or_measure
-from specserve.config import EngineConfig
+from specserve.config import EngineConfig, gpu_kv_budget
 from specserve.detokenizer import TextStream, load_tokenizer
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ForwardResult, ModelRunner, RequestRows, TreeRequest
@@ -76,17 +76,19 @@ class LLMEngine:
                  config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.model_path = Path(model_path)
-        self.model = load_model(model_path, dtype, self.config.quantization)
-        self.tokenizer = load_tokenizer(model_path)
+        device = self.config.torch_device
+        self.model = load_model(model_path, dtype, self.config.quantization, self.config.load_format, device)
+        # A dummy model's directory may hold no tokenizer (configs/models/): a synthetic one then
+        self.tokenizer = load_tokenizer(model_path, self.model.config if self.config.load_format == "dummy" else None)
         model_config = self.model.config
         block_size = self.config.block_size
         # Drafters load first: a draft model's K/V share the block tables, so they share the pool.
-        device = self.model.norm.weight.device
         top_k, beam = self.config.draft_shape(device)
-        self._draft_options = DrafterOptions(top_k=top_k, beam=beam, dtype=self.model.dtype,
+        self._draft_options = DrafterOptions(top_k=top_k, beam=beam, dtype=self.model.dtype, device=device,
                                              vocab=self.config.draft_vocab,
                                              quantization=self.config.draft_quantization_for(device),
-                                             default_vocab=self.config.default_draft_vocab(device))
+                                             default_vocab=self.config.default_draft_vocab(device),
+                                             load_format=self.config.load_format)
         self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
@@ -94,11 +96,13 @@ class LLMEngine:
         per_block += sum(d.kv_bytes_per_block(block_size, model_config, self.model.dtype)
                          for d in self._parts.values() if isinstance(d, OwnsKV))
         self.kv_bytes_per_block = per_block  # the target's K/V and every drafter's own
-        num_blocks = self.config.kv_cache_bytes // per_block
+        fraction = self.config.gpu_memory_fraction if device.type == "cuda" else None
+        kv_bytes = self.config.kv_cache_bytes if fraction is None else self._gpu_kv_bytes(device, fraction)
+        num_blocks = kv_bytes // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv cache memory of {self.config.kv_cache_bytes} bytes holds no block "
+            raise ValueError(f"kv cache memory of {kv_bytes} bytes holds no block "
                              f"({per_block} bytes each): raise --kv-cache-memory")
-        self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.model.dtype)
+        self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.model.dtype, device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.policy: SpeculationPolicy = AdaptivePolicy() if self.config.speculation == "adaptive" else FixedPolicy()
         self.scheduler = Scheduler(self.config, self.block_manager, self.policy)
@@ -135,11 +139,27 @@ class LLMEngine:
         gc.freeze()
         self.info = self._describe()
         logger.info("serving %s on %s: %s weights, %s activations, kernels %s, drafter %s", self.model_path.name,
-                    self.info["cpu"], self.info["weights"], self.info["dtype"], self.info["kernels"],
+                    self.info["device"], self.info["weights"], self.info["dtype"], self.info["kernels"],
                     self.info["drafter"])
         logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s); max_model_len %d", num_blocks,
                     block_size, self.num_kv_tokens, num_blocks * per_block / 2**20, self.model.dtype,
                     self.max_model_len)
+
+    def _gpu_kv_bytes(self, device: torch.device, fraction: float) -> int:
+        """The KV pool's bytes on a GPU: `fraction` of its memory less what the weights (drafters'
+        included) and a forward of a full step's tokens take, measured (vLLM's profiling run)."""
+        tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
+        block_size = self.config.block_size
+        blocks = -(-tokens // block_size)
+        scratch = KVCache.for_model(self.model.config, blocks, block_size, self.model.dtype, device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        ModelRunner(self.model, scratch).forward([TreeRequest(TokenTree.chain([0] * tokens), 0, list(range(blocks)))])
+        torch.cuda.synchronize(device)
+        in_use = torch.cuda.max_memory_allocated(device) - 2 * scratch.k.numel() * scratch.k.element_size()
+        del scratch
+        torch.cuda.empty_cache()
+        return gpu_kv_budget(torch.cuda.mem_get_info(device)[1], in_use, fraction)
 
     def _describe(self) -> dict[str, str]:
         """What this engine runs on and with: the CPU, dtype, weight format, kernels, default drafter."""
@@ -147,13 +167,21 @@ class LLMEngine:
         from specserve.machine import processor_name
 
         weights = self.model.weight_format()
-        attention = ops.backend(torch.device("cpu"), self.model.dtype)
-        ours = weights.startswith("GGUF") or attention == "cpu"
-        kernels = f"specserve-cpu {native.isa()}" if ours else "torch"
-        if ours and not weights.startswith("GGUF"):
-            kernels += " (attention), torch (matmuls)"
-        return {"cpu": processor_name(), "dtype": str(self.model.dtype).removeprefix("torch."), "weights": weights,
-                "kernels": kernels, "drafter": self.config.draft}
+        if self.config.load_format == "dummy":
+            weights = f"dummy (random) {weights}"
+        device = self.kv_cache.k.device
+        attention = ops.backend(device, self.model.dtype)
+        if device.type == "cpu":
+            ours = "blocks" in weights or attention == "cpu"
+            kernels = f"specserve-cpu {native.isa()}" if ours else "torch"
+            if ours and "blocks" not in weights:
+                kernels += " (attention), torch (matmuls)"
+        else:
+            kernels = f"{attention} (attention), torch (matmuls)"
+        name = processor_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
+        return {"cpu": processor_name(), "device": f"{device.type}: {name}",
+                "dtype": str(self.model.dtype).removeprefix("torch."), "weights": weights, "kernels": kernels,
+                "drafter": self.config.draft}
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -70,10 +70,15 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.k.device
+
     def metadata(self, requests: Sequence[TreeRequest]) -> AttentionMetadata:
-        """The step's attention layout over the shared block tables (any cache of this pool's blocks)."""
+        """The step's attention layout over the shared block tables (any cache of this pool's blocks),
+        built on the host and placed on the cache's device."""
         return AttentionMetadata.build([r.tree for r in requests], [r.context_len for r in requests],
-                                       [r.block_table for r in requests], self.block_size)
+                                       [r.block_table for r in requests], self.block_size, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -82,7 +87,8 @@ class ModelRunner:
         meta = self.metadata(requests)
         starts = [0, *itertools.accumulate(len(r.tree) for r in requests)]  # from the host: no read
         selected, counts = _logits_rows(requests, starts)
-        out = self.model(_input_ids(requests), meta, self.kv_cache, logits_indices=selected, hidden_at=hidden_at,
+        out = self.model(_input_ids(requests, self.device), meta, self.kv_cache,
+                         logits_indices=selected.to(self.device, non_blocking=True), hidden_at=hidden_at,
                          num_layers=num_layers)
         return ForwardResult(out.logits, out.hidden, [0, *itertools.accumulate(counts)], starts)
 
@@ -90,7 +96,8 @@ class ModelRunner:
     def run_layers(self, requests: Sequence[TreeRequest], num_layers: int) -> torch.Tensor:
         """The target's first `num_layers` layers over the requests' trees (writing their K/V):
         the residual stream out, [tokens, hidden] (an early-exit head drafts from it)."""
-        return self.model.run_layers(_input_ids(requests), self.metadata(requests), self.kv_cache, num_layers)
+        return self.model.run_layers(_input_ids(requests, self.device), self.metadata(requests), self.kv_cache,
+                                     num_layers)
 
     @torch.inference_mode()
     def run_layer(self, layer: DecoderLayer, kv_cache: KVCache, requests: Sequence[TreeRequest],
@@ -104,8 +111,9 @@ class ModelRunner:
         return out + delta
 
 
-def _input_ids(requests: Sequence[TreeRequest]) -> torch.Tensor:
-    return torch.tensor([t for r in requests for t in r.tree.tokens], dtype=torch.int64)
+def _input_ids(requests: Sequence[TreeRequest], device: torch.device) -> torch.Tensor:
+    ids = torch.tensor([t for r in requests for t in r.tree.tokens], dtype=torch.int64)
+    return ids if device.type == "cpu" else ids.pin_memory().to(device, non_blocking=True)
 
 
 def _logits_rows(requests: Sequence[TreeRequest], starts: list[int]) -> tuple[torch.Tensor, list[int]]:

@@ -152,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rotary(self) -> None:
         cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype,
+                                      self.norm.weight.device)
 
     def restrict_output_vocab(self, token_ids: torch.Tensor) -> None:
         """Score only `token_ids` (the rest get -inf logits): a draft model's LM head over its

@@ -19,6 +19,7 @@ from torch import nn
 
 from specserve.models import prepared
 from specserve.models.config import ModelConfig
+from specserve.models.dummy import dummy_tensors
 from specserve.models.gguf import GGUFWeights, QuantizedRows
 from specserve.models.linear import Projection, QuantizedEmbedding, packing_available
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 # none: plain weights, a GGUF's dequantized exactly (see `load_gguf`);
 # int8 / int4: any checkpoint's plain weights requantized into blocks (`BlockWeight.quantize`).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# auto: the directory's weights (GGUF or safetensors); dummy: random ones at its config's shape
+LOAD_FORMATS = ("auto", "dummy")
 REQUANTIZE_BITS = {"int8": 8, "int4": 4}
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
                       "I8": torch.int8, "I32": torch.int32}
@@ -112,14 +115,14 @@ def _checkpoint_dtypes(path: Path) -> set[torch.dtype | None]:
 class Checkpoint:
     """Hands out tensors by name in the model's dtype and remembers what was never asked for."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
-        self.tensors, self.dtype, self.path = tensors, dtype, path
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path,
+                 device: torch.device | str = "cpu"):
+        self.tensors, self.dtype, self.path, self.device = tensors, dtype, path, torch.device(device)
 
     def take(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
             raise ValueError(f"checkpoint in {self.path} has no tensor {name!r}: is it a Llama-family model?")
-        tensor = self.tensors.pop(name)
-        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+        return self.tensors.pop(name).to(device=self.device, dtype=self.dtype)  # itself where both match
 
     def parameter(self, name: str) -> nn.Parameter:
         return nn.Parameter(self.take(name), requires_grad=False)
@@ -141,12 +144,33 @@ def load_layer(layer: DecoderLayer, ckpt: Checkpoint, prefix: str, config: Model
     layer.post_attention_layernorm.weight = ckpt.parameter(f"{prefix}post_attention_layernorm.weight")
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
-               quantization: str = "auto") -> LlamaForCausalLM:
-    path = Path(path)
+def load_model(path: str | Path, dtype: str | torch.dtype | None = None, quantization: str = "auto",
+               load_format: str = "auto", device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """The model of a directory, on `device`: its GGUF or safetensors weights (`load_format` auto),
+    or random weights at its config's shape (dummy, `specserve.models.dummy`). Quantized blocks
+    run our CPU kernels: elsewhere a GGUF serves its exactly dequantized weights, bf16 by default."""
+    path, device = Path(path), torch.device(device)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
     config = ModelConfig.from_dir(path)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if device.type != "cpu":
+        if quantization in REQUANTIZE_BITS:
+            raise ValueError(f"quantization {quantization} runs CPU kernels: on {device} use auto or none")
+        dtype = torch.bfloat16 if dtype in (None, "auto") else parse_dtype(dtype)
+        if load_format == "dummy":
+            return _assemble(config, Checkpoint(dummy_tensors(config, dtype, device), dtype, path, device), False)
+        if (path / GGUF_FILE).exists():
+            return _build_gguf(path / GGUF_FILE, config, dtype, quantized=False, device=device)
+        return _assemble(config, Checkpoint(_read_tensors(path, None), dtype, path, device), False)
+    if load_format == "dummy":
+        if quantization in REQUANTIZE_BITS:
+            model = load_model(path, torch.float32, "none", "dummy")
+            _requantize(model, REQUANTIZE_BITS[quantization])
+            return model
+        dtype = parse_dtype(dtype)
+        return _assemble(config, Checkpoint(dummy_tensors(config, dtype), dtype, path), packing_available(dtype))
     if quantization in REQUANTIZE_BITS:
         if dtype not in (None, "auto") and parse_dtype(dtype) != torch.float32:
             raise ValueError(f"{quantization} blocks compute in float32, not {dtype}: leave the dtype unset")
@@ -163,10 +187,18 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     # Packed mode maps the checkpoint instead of reading it: its plain weights stay file-backed.
     pack = packing_available(dtype) and _checkpoint_dtypes(path) == {dtype}
     mappings: list[mmap.mmap] = []
-    ckpt = Checkpoint(_read_tensors(path, mappings if pack else None), dtype, path)
+    model = _assemble(config, Checkpoint(_read_tensors(path, mappings if pack else None), dtype, path), pack)
+    for mapping in mappings:
+        # Packing read every page; only large steps need them again. Never written, so the
+        # kernel can simply drop them (they fault back in from the file on demand).
+        mapping.madvise(mmap.MADV_DONTNEED)
+    return model
+
+
+def _assemble(config: ModelConfig, ckpt: Checkpoint, pack: bool) -> LlamaForCausalLM:
+    """The model from a checkpoint's plain tensors, on the checkpoint's device; every tensor used."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-
     for i, layer in enumerate(model.layers):
         load_layer(layer, ckpt, f"layers.{i}.", config, pack)
     model.embed_tokens.weight = ckpt.parameter("embed_tokens.weight")
@@ -178,12 +210,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
         head = ckpt.take("lm_head.weight")
     model.lm_head.load([head], None, pack=pack)
     if ckpt.tensors:
-        raise ValueError(f"checkpoint in {path} has tensors our {config.model_type} model does not use: "
+        raise ValueError(f"checkpoint in {ckpt.path} has tensors our {config.model_type} model does not use: "
                          f"{sorted(ckpt.tensors)[:5]}")
-    for mapping in mappings:
-        # Packing read every page; only large steps need them again. Never written, so the
-        # kernel can simply drop them (they fault back in from the file on demand).
-        mapping.madvise(mmap.MADV_DONTNEED)
     model.init_rotary()
     return model.eval().requires_grad_(False)
 
@@ -234,13 +262,14 @@ def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, 
 
 
 def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool,
-                tiles: bool = True) -> LlamaForCausalLM:
+                tiles: bool = True, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    device = torch.device(device)
     source = GGUFWeights(file, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                          llama_rope_order=config.model_type in ("llama", "mistral"))
-    pack = not quantized and packing_available(dtype)
+    pack = not quantized and device.type == "cpu" and packing_available(dtype)
 
     def plain(name: str) -> torch.Tensor:
-        return source.take(name, quantized=False).to(dtype)
+        return source.take(name, quantized=False).to(device=device, dtype=dtype)
 
     def projection(module, prefix: str, names: list[str], bias: bool) -> None:
         weights = [source.take(f"{prefix}{n}.weight", quantized=quantized) for n in names]
@@ -248,7 +277,8 @@ def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: 
         if all(isinstance(w, QuantizedRows) for w in weights):
             module.load_quantized(weights, biases, tiles)
         else:  # a format the kernel does not take: gguf dequantized it
-            dense = [(w.dequantize() if isinstance(w, QuantizedRows) else w).to(dtype) for w in weights]
+            dense = [(w.dequantize() if isinstance(w, QuantizedRows) else w).to(device=device, dtype=dtype)
+                     for w in weights]
             module.load(dense, biases, pack=pack)
 
     with torch.device("meta"):
@@ -267,7 +297,7 @@ def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: 
     if isinstance(embedding, QuantizedRows):
         model.embed_tokens = QuantizedEmbedding(embedding, dtype)
     else:
-        model.embed_tokens.weight = nn.Parameter(embedding.to(dtype), requires_grad=False)
+        model.embed_tokens.weight = nn.Parameter(embedding.to(device=device, dtype=dtype), requires_grad=False)
     if "lm_head.weight" in source.names():
         projection(model.lm_head, "", ["lm_head"], False)
     elif isinstance(embedding, QuantizedRows):  # tied: the head reads the embedding's own blocks

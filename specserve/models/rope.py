@@ -74,13 +74,15 @@ def _yarn(base: float, dim: int, p: dict) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding:
     """cos/sin tables for every position up to `max_positions`, computed once in fp32."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype):
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         inv_freq, scaling = inverse_frequencies(rope, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(dtype)
-        self.sin = (emb.sin() * scaling).to(dtype)
+        # computed on the host, then moved: the same tables on every device
+        self.cos = (emb.cos() * scaling).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scaling).to(device=device, dtype=dtype)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin as `[T, 1, head_dim]` for broadcasting over heads."""

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from drafters.spec import parse_spec
-from specserve.config import EngineConfig, available_memory, load_config_file, parse_memory
+from specserve.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    EngineConfig,
+    available_memory,
+    gpu_kv_budget,
+    load_config_file,
+    parse_memory,
+)
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -102,3 +109,15 @@ def test_large_vocabulary_drafts_score_their_frequent_tokens_on_a_cpu_only():
 
     assert EngineConfig().default_draft_vocab(torch.device("cpu")) == 32768
     assert EngineConfig().default_draft_vocab(torch.device("cuda")) is None
+
+
+def test_the_kv_pool_is_a_size_on_a_cpu_and_a_share_of_the_whole_gpu_on_one():
+    unset = EngineConfig()
+    assert unset.kv_cache_bytes == 2**30 and unset.gpu_memory_fraction == DEFAULT_GPU_MEMORY_UTILIZATION
+    assert EngineConfig(kv_cache_memory="0.8").gpu_memory_fraction == 0.8
+    assert EngineConfig(kv_cache_memory=0.5).gpu_memory_fraction == 0.5
+    assert EngineConfig(kv_cache_memory="2GiB").gpu_memory_fraction is None  # bytes are bytes everywhere
+    # 80 GiB, 90% of it allowed, 20 GiB taken by weights and a profiling forward: 52 GiB for K/V
+    assert gpu_kv_budget(80 * 2**30, 20 * 2**30, 0.9) == 52 * 2**30
+    with pytest.raises(ValueError, match="raise it"):
+        gpu_kv_budget(16 * 2**30, 15 * 2**30, 0.9)
