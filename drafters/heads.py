@@ -169,14 +169,16 @@ class HeadDrafter(TreeSearchDrafter, OwnsKV, Observes):
             raise ValueError(f"drafter head {directory} was trained for {config.target!r}, not the target this "
                              f"engine serves ({target.model_dir}): train one for it with `specserve train-drafter`")
         tensors = load_file(str(directory / WEIGHTS_FILE))
-        self.vocab_ids = tensors.pop("vocab_ids").to(torch.int64)
+        device = target.runner.device  # the head lives where the target does
+        self.vocab_ids = tensors.pop("vocab_ids").to(device=device, dtype=torch.int64)
         self.layer = build_layer(model.config, {k.removeprefix("layer."): v for k, v in tensors.items()
-                                                if k.startswith("layer.")}, model.dtype)
-        pack = packing_available(model.dtype)
+                                                if k.startswith("layer.")}, model.dtype, device)
+        pack = packing_available(model.dtype, device)
         self.lm_head = model.lm_head.select_rows(self.vocab_ids)
         self._load_extra(tensors, model, pack)
         mc = model.config
-        self.cache = KVCache(1, target.num_blocks, target.block_size, mc.num_kv_heads, mc.head_dim, model.dtype)
+        self.cache = KVCache(1, target.num_blocks, target.block_size, mc.num_kv_heads, mc.head_dim, model.dtype,
+                             device)
         self.target, self.config, self.vocab_size = model, config, target.vocab_size
         self.target_runner = target.runner
 
@@ -226,7 +228,9 @@ class FeatureHeadDrafter(HeadDrafter):
     def _load_extra(self, tensors, model, pack) -> None:
         hidden = model.config.hidden_size
         self.fc = Projection(2 * hidden, [hidden])
-        self.fc.load([tensors["fc.weight"].to(model.dtype)], [tensors["fc.bias"].to(model.dtype)], pack=pack)
+        device = model.norm.weight.device
+        self.fc.load([tensors["fc.weight"].to(device=device, dtype=model.dtype)],
+                     [tensors["fc.bias"].to(device=device, dtype=model.dtype)], pack=pack)
 
     @torch.inference_mode()
     def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:
@@ -315,14 +319,16 @@ class EarlyExitHeadDrafter(HeadDrafter):
         return logits
 
 
-def build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> DecoderLayer:
-    """A decoder layer of the target's shape from Hugging Face-named tensors (K/V: layer 0 of its cache)."""
+def build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> DecoderLayer:
+    """A decoder layer of the target's shape from Hugging Face-named tensors (K/V: layer 0 of its
+    cache), on `device`."""
     from specserve.models.loader import Checkpoint, load_layer
 
     with torch.device("meta"):
         layer = DecoderLayer(config, 0)
-    ckpt = Checkpoint(dict(tensors), dtype, Path("<head>"))
-    load_layer(layer, ckpt, "", config, packing_available(dtype))
+    ckpt = Checkpoint(dict(tensors), dtype, Path("<head>"), device)
+    load_layer(layer, ckpt, "", config, packing_available(dtype, device))
     if ckpt.tensors:
         raise ValueError(f"drafter head has tensors a decoder layer does not use: {sorted(ckpt.tensors)[:5]}")
     return layer.eval().requires_grad_(False)

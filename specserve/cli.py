@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="default 0")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="the target's dtype while generating and recording its states (serve in the same)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda "
+                                                    "or cuda:N: where the target generates and the head trains")
     p.set_defaults(func=_cmd_train_drafter)
 
     p = sub.add_parser("ablate", help="compare draft configurations on a live engine: tables and plots")
@@ -221,7 +223,8 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     settings = TrainSettings(kind=args.kind, layer=args.layers, **given(
         epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
         seed=args.seed))
-    config = train_drafter(args.target, Path(args.out), settings, generation, args.data, args.dtype)
+    config = train_drafter(args.target, Path(args.out), settings, generation, args.data, args.dtype,
+                           device=args.device)
     training = config.training
     print(f"[{config.kind} head for {config.target}: validation top-1 agreement {training['val_agreement']:.1%} "
           f"(untrained {training['epochs'][0]['val_agreement']:.1%}), {training['wall_seconds']:.0f} s; "

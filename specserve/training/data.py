@@ -155,7 +155,8 @@ def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Seq
     def blocks(e: Example) -> int:
         return -(-len(e.token_ids) // block_size)
 
-    runner = ModelRunner(model, KVCache.for_model(model.config, pool, block_size, model.dtype))
+    device = model.norm.weight.device
+    runner = ModelRunner(model, KVCache.for_model(model.config, pool, block_size, model.dtype, device))
     rows: dict[int, list[torch.Tensor]] = {k: [] for k in hidden_at}
     batch: list[Example] = []
 
@@ -167,7 +168,8 @@ def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Seq
             next_block += len(table)
         for out in runner.forward(requests, hidden_at=hidden_at):
             for k in hidden_at:
-                rows[k].append(out.hidden[k].clone())
+                state = out.hidden[k]  # kept on the host (a copy either way: the rows outlive the step)
+                rows[k].append(state.clone() if state.device.type == "cpu" else state.cpu())
         batch.clear()
 
     with tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states", unit="tok",

@@ -133,7 +133,7 @@ class TrainableHead(nn.Module):
         self.rotary = target.rotary
 
     def rope(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(torch.arange(tokens))
+        cos, sin = self.rotary(torch.arange(tokens, device=self.embed.device))
         return cos.float(), sin.float()
 
     def forward(self, tokens: torch.Tensor, inputs: torch.Tensor,
@@ -175,6 +175,6 @@ class TrainableHead(nn.Module):
         out = {f"layer.{k}": v for k, v in self.layer.tensors().items()}
         if self.kind == "feature":
             out.update({"fc.weight": self.fc.weight.detach(), "fc.bias": self.fc.bias.detach()})
-        out = {k: v.to(torch.bfloat16) for k, v in out.items()}
-        out["vocab_ids"] = self.vocab_ids.to(torch.int64)
+        out = {k: v.to(torch.bfloat16).cpu() for k, v in out.items()}  # saved from the host
+        out["vocab_ids"] = self.vocab_ids.to(torch.int64).cpu()
         return out

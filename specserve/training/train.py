@@ -94,7 +94,7 @@ class TrainingData:
 
 def prepare_data(target: str, settings: TrainSettings, generation: GenerationSettings,
                  data: Sequence[Path] | None = None, dtype: str = "bfloat16", work_dir: Path | None = None,
-                 progress: bool = True) -> TrainingData:
+                 progress: bool = True, device: str = "auto") -> TrainingData:
     """Generate (or reuse) the target's answers and extract (or reuse) its hidden states."""
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
@@ -110,7 +110,7 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
     work = work_dir or cache_dir() / "train" / name
     # Plain weights: a head starts from the target's own layer weights (specserve/training/heads.py).
     engine = LLMEngine(model_dir, dtype, EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024,
-                                                      speculation="off", quantization="none"))
+                                                      speculation="off", quantization="none", device=device))
     model = engine.model
     layer = settings.layer if settings.layer is not None else model.config.num_layers // 4
     if settings.kind == "early-exit" and not 0 < layer < model.config.num_layers:
@@ -137,16 +137,17 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
 
 def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
                   generation: GenerationSettings | None = None, data: Sequence[Path] | None = None,
-                  dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True) -> HeadConfig:
+                  dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True,
+                  device: str = "auto") -> HeadConfig:
     """Generate (or reuse) the data, train a head, save it to `out`; returns its config."""
     settings, generation = settings or TrainSettings(), generation or GenerationSettings()
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
-    prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress)
+    prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress, device)
     model, features = prepared.model, prepared.features
     train_ids, val_ids = features.split(settings.validation, settings.seed)
     vocab_ids, coverage = draft_vocabulary(features, train_ids, settings.draft_vocab, model.config)
-    head = TrainableHead(model, settings.kind, prepared.layer, vocab_ids)
+    head = TrainableHead(model, settings.kind, prepared.layer, vocab_ids).to(model.norm.weight.device)
     history = fit(head, features, train_ids, val_ids, settings, prepared.head_layer, model.config.num_layers,
                   progress)
     seconds = time.perf_counter() - started
@@ -227,7 +228,8 @@ def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool,
           top_k: int = 1) -> tuple[torch.Tensor, list[int], int]:
     """The loss (mean over passes), the rows whose `top_k` guesses hold the target's next token
     per pass (pass d: drafting depth d), and the rows counted."""
-    tokens, inputs, target, mask, next_tokens = batch
+    device = head.embed.device  # the batch is built on the host
+    tokens, inputs, target, mask, next_tokens = (t.to(device) for t in batch)
     if noise and head.kind == "feature" and settings.noise > 0:
         scale = inputs.pow(2).mean().sqrt() * settings.noise
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * scale
@@ -235,9 +237,9 @@ def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool,
         teacher = F.softmax(head.teacher_logits(target[mask]), dim=-1)
         wanted = _vocab_index(head, next_tokens[mask])
     passes = settings.unroll if head.kind == "feature" else 1
-    loss, agreed, past = torch.zeros(()), [], []
+    loss, agreed, past = torch.zeros((), device=device), [], []
     for _ in range(passes):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             logits, out, kv = head(tokens, inputs, past)
         past.append(kv)
         rows, states = logits[mask].float(), out[mask].float()
@@ -253,8 +255,8 @@ def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool,
 
 def _vocab_index(head: TrainableHead, tokens: torch.Tensor) -> torch.Tensor:
     """Positions of tokens in the draft vocabulary (-1 for tokens outside it: never agreed with)."""
-    lookup = torch.full((int(head.vocab_ids.max()) + 2,), -1, dtype=torch.int64)
-    lookup[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+    lookup = torch.full((int(head.vocab_ids.max()) + 2,), -1, dtype=torch.int64, device=tokens.device)
+    lookup[head.vocab_ids] = torch.arange(len(head.vocab_ids), device=tokens.device)
     return lookup[tokens.clamp(max=len(lookup) - 1)]
 
 
