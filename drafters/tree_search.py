@@ -197,7 +197,9 @@ class _Search:
         if k <= 0:
             return
         q = logq.exp()
-        drawn = torch.multinomial(q, k, replacement=False, generator=self.request.generator).tolist()
+        generator = self.request.generator  # a seeded request's draws come from its host generator
+        source = q if generator is None or generator.device == q.device else q.cpu()
+        drawn = torch.multinomial(source, k, replacement=False, generator=generator).tolist()
         self.probs[node] = F.pad(q, (0, vocab_size - q.numel()))
         for token in drawn:
             self._add(node, token, self.scores[node] + float(logq[token]))

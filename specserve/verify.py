@@ -84,7 +84,9 @@ def verify(
                 total = q.sum()
                 q = q / total if total > 0 else q
         if accepted is None:
-            bonus = int(p.argmax()) if row.params.greedy else int(torch.multinomial(p, 1, generator=row.generator))
+            generator = row.generator  # a host generator draws from a host copy of p
+            source = p if generator is None or generator.device == p.device else p.cpu()
+            bonus = int(p.argmax()) if row.params.greedy else int(torch.multinomial(source, 1, generator=generator))
             return Verdict(path, [*tokens, bonus])
         path.append(accepted)
         tokens.append(tree.tokens[accepted])
