@@ -21,6 +21,9 @@ from drafters.base import Commit, Draft, Drafter, DraftRequest, DraftTarget, Est
 from specserve.tree import TokenTree
 
 KEY_TOKENS = 16  # a recorded sequence is found by its first tokens (each prefix length up to this)
+# Sequences kept, the oldest forgotten first: a server whose clients name `replay:` per request
+# must not grow without bound (a benchmark's workload is far smaller).
+MAX_RECORDED = 4096
 
 
 class ReplayDrafter(Drafter, Observes, Estimates, UsesTarget):
@@ -33,6 +36,7 @@ class ReplayDrafter(Drafter, Observes, Estimates, UsesTarget):
         self.spec = f"replay:{alpha:g}"
         self._random = random.Random(seed)
         self._book: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # first tokens -> recorded sequences
+        self._recorded: dict[tuple[int, ...], None] = {}  # every recorded sequence, oldest first
         self._live: dict[int, list[int]] = {}  # seq_id -> its tokens as last committed
         self._following: dict[int, tuple[int, ...]] = {}  # seq_id -> the recorded sequence it matches
         self.vocab_size: int | None = None
@@ -45,10 +49,21 @@ class ReplayDrafter(Drafter, Observes, Estimates, UsesTarget):
     def record(self, token_ids: Sequence[int]) -> None:
         """A sequence the target produced (prompt + output): later sequences that begin like it follow it."""
         tokens = tuple(token_ids)
+        if tokens in self._recorded:
+            return
+        self._recorded[tokens] = None
         for n in range(1, min(KEY_TOKENS, len(tokens)) + 1):
-            entries = self._book.setdefault(tokens[:n], [])
-            if tokens not in entries:
-                entries.append(tokens)
+            self._book.setdefault(tokens[:n], []).append(tokens)
+        if len(self._recorded) > MAX_RECORDED:
+            self._forget(next(iter(self._recorded)))
+
+    def _forget(self, tokens: tuple[int, ...]) -> None:
+        del self._recorded[tokens]
+        for n in range(1, min(KEY_TOKENS, len(tokens)) + 1):
+            entries = self._book[tokens[:n]]
+            entries.remove(tokens)
+            if not entries:
+                del self._book[tokens[:n]]
 
     def observe(self, commit: Commit) -> None:
         self._live[commit.seq_id] = list(commit.token_ids)

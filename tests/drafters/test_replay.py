@@ -96,3 +96,15 @@ def test_continuations_recorded_from_a_run_replay_at_the_set_acceptance_with_unc
         assert spec.drafted_tokens > 2000
         measured = spec.accepted_tokens / (spec.accepted_tokens + spec.rejections)
         assert measured == pytest.approx(alpha, abs=0.03)
+
+
+def test_the_oldest_recordings_are_forgotten_past_the_limit(monkeypatch):
+    import drafters.replay as replay
+
+    monkeypatch.setattr(replay, "MAX_RECORDED", 3)
+    d = ReplayDrafter(1.0)
+    for first in range(5):
+        d.record([first, 50, 51, 52])
+    assert d.continuation(0, [0, 50]) == () and d.continuation(1, [1, 50]) == ()
+    assert d.continuation(2, [4, 50]) == (51, 52)
+    assert sum(len(v) for v in d._book.values()) == 3 * 4  # each kept sequence under its 4 prefixes
