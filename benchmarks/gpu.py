@@ -112,7 +112,20 @@ def kernel_case(batch: int, context: int, nodes: int, heads: int, head_dim: int,
             "sdpa_chain_flash_us": flash * 1e6, "kv_bytes": kv_bytes}
 
 
-def kernel_rows(device: torch.device, smoke: bool) -> tuple[list[dict], float]:
+class Deadline:
+    """The run's time budget: sections stop starting new cases once it has passed (and say so)."""
+
+    def __init__(self, seconds: float):
+        self.end, self.missed = time.perf_counter() + seconds, []
+
+    def over(self, case: str) -> bool:
+        if time.perf_counter() < self.end:
+            return False
+        self.missed.append(case)
+        return True
+
+
+def kernel_rows(device: torch.device, smoke: bool, deadline: Deadline) -> tuple[list[dict], float]:
     heads, head_dim = (4, 16) if smoke else (32, 128)  # Llama-2-7B's
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     batches, contexts, trees = ((1, 2), (48,), (1, 4)) if smoke else ((1, 8, 32, 128), (512, 2048, 8192), (1, 16, 64))
@@ -121,6 +134,8 @@ def kernel_rows(device: torch.device, smoke: bool) -> tuple[list[dict], float]:
     rows = []
     cases = [(b, c, n) for b in batches for c in contexts for n in trees]
     for batch, context, nodes in tqdm(cases, desc="kernel"):
+        if deadline.over(f"kernel batch {batch} context {context} nodes {nodes}"):
+            continue
         row = kernel_case(batch, context, nodes, heads, head_dim, device, dtype, generator)
         row["kv_share_of_copy"] = row["kv_bytes"] / (row["ours_us"] * 1e-6) / bandwidth
         rows.append(row)
@@ -146,7 +161,7 @@ def throughput(llm: LLM, batch: list[list[int]], params: SamplingParams) -> tupl
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, spec
 
 
-def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool) -> list[dict]:
+def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool, deadline: Deadline) -> list[dict]:
     batches = (1, 4) if smoke else (1, 8, 64, 256)
     length, out = (8, 16) if smoke else (128, 128)
     vocab = ModelConfig.from_dir(target).vocab_size
@@ -173,6 +188,8 @@ def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool) ->
     rows = []
     for batch in tqdm(batches, desc="engine"):
         for name, spec in configs.items():
+            if deadline.over(f"engine batch {batch} {name}"):
+                continue
             rate, counters = throughput(llm, work[:batch], params(spec))
             rows.append({"batch": batch, "config": name, "tok_s": rate, **counters})
     del llm
@@ -180,6 +197,8 @@ def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool) ->
     if device.type == "cuda":
         torch.cuda.empty_cache()
     for batch in tqdm(batches, desc="transformers"):
+        if deadline.over(f"transformers batch {batch}"):
+            continue
         rows.append({"batch": batch, "config": "transformers static cache",
                      "tok_s": transformers_rate(target, work[:batch], out, device)})
     return rows
@@ -251,6 +270,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the script runs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: kernel, engine")
+    parser.add_argument("--budget-s", type=float, default=480,
+                        help="start no new case after this many seconds (the run must fit 9 minutes on an H100); "
+                             "the kernel section gets a third of it")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type != "cuda" and not args.smoke:
@@ -263,7 +285,8 @@ def main() -> None:
     print(f"device {gpu}, torch {torch.__version__}, triton {triton.__version__}")
     skip = set(filter(None, args.skip.split(",")))
     started = time.perf_counter()
-    kernel, bandwidth = kernel_rows(device, args.smoke) if "kernel" not in skip else ([], math.nan)
+    kernel_deadline, deadline = Deadline(args.budget_s / 3), Deadline(args.budget_s)
+    kernel, bandwidth = kernel_rows(device, args.smoke, kernel_deadline) if "kernel" not in skip else ([], math.nan)
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:
             target = Path(tmp) / "tiny"
@@ -274,9 +297,10 @@ def main() -> None:
             (draft / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
         else:
             target, draft = MODELS / "llama-2-7b", MODELS / "llama-160m"
-        engine = engine_rows(target, draft, device, args.smoke) if "engine" not in skip else []
+        engine = engine_rows(target, draft, device, args.smoke, deadline) if "engine" not in skip else []
     result = {"benchmark": "gpu", "device": gpu, "torch": torch.__version__, "triton": triton.__version__,
               "smoke": args.smoke, "copy_gb_per_s": bandwidth / 1e9, "kernel": kernel, "engine": engine,
+              "not_run_for_time": kernel_deadline.missed + deadline.missed,
               "wall_s": time.perf_counter() - started}
     (out / "gpu.json").write_text(json.dumps(result, indent=2))
     plain = {r["batch"]: r["tok_s"] for r in engine if r["config"] == "none"}
@@ -298,6 +322,9 @@ def main() -> None:
         rate = f"{r['accepted_tokens'] / trials:.2f}" if trials else "-"
         lines.append(f"| {r['batch']} | {r['config']} | {r['tok_s']:.1f} | {ratio} | {drafted} | {rate} |"
                      if r["tok_s"] else f"| {r['batch']} | {r['config']} | - | - | - | - |")
+    missed = kernel_deadline.missed + deadline.missed
+    if missed:
+        lines += ["", f"Not run, the time budget ({args.budget_s:.0f} s) spent: {'; '.join(missed)}."]
     (out / "gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if kernel and engine:
