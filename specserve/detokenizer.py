@@ -32,6 +32,7 @@ def synthetic_tokenizer(config: ModelConfig):
     other id decoding to `<tok_ID>`, so whatever a dummy model emits streams as text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # the characters ByteLevel shows bytes as
 
     eos = list(config.eos_token_ids)
     special = {i: "<s>" for i in [config.bos_token_id] if i is not None}
@@ -39,9 +40,7 @@ def synthetic_tokenizer(config: ModelConfig):
     free = [i for i in range(config.vocab_size) if i not in special]
     if len(free) < 256:
         raise ValueError(f"a synthetic tokenizer needs 256 ids for bytes: vocab_size {config.vocab_size} is too small")
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # the 256 characters ByteLevel maps bytes to
-    byte_chars.sort(key=_byte_of)
-    vocab = {char: i for char, i in zip(byte_chars, free, strict=False)}
+    vocab = {char: free[byte] for byte, char in bytes_to_unicode().items()}
     vocab |= {f"<tok_{i}>": i for i in free[256:]}
     vocab |= {name: i for i, name in special.items()}
     model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -50,16 +49,6 @@ def synthetic_tokenizer(config: ModelConfig):
     model.add_special_tokens(list(special.values()))
     return PreTrainedTokenizerFast(tokenizer_object=model, bos_token=special.get(config.bos_token_id),
                                    eos_token="</s>" if eos else None, chat_template=SYNTHETIC_CHAT_TEMPLATE)
-
-
-def _byte_of(char: str) -> int:
-    """The byte GPT-2's byte-level alphabet shows as `char` (printable bytes as themselves)."""
-    code = ord(char)
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
 
 
 class IncrementalDetokenizer:

@@ -42,13 +42,15 @@ def dummy_tensors(config: ModelConfig, dtype: torch.dtype, device: torch.device 
     tensors = {"embed_tokens.weight": normal(config.vocab_size, hidden), "norm.weight": ones(hidden)}
     for i in range(config.num_layers):
         prefix = f"layers.{i}."
-        shapes = {"self_attn.q_proj": (q_out, hidden), "self_attn.k_proj": (kv_out, hidden),
-                  "self_attn.v_proj": (kv_out, hidden), "self_attn.o_proj": (hidden, q_out),
-                  "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
-        for name, shape in shapes.items():
+        projections = {  # name: (shape, has a bias)
+            "self_attn.q_proj": ((q_out, hidden), config.qkv_bias),
+            "self_attn.k_proj": ((kv_out, hidden), config.qkv_bias),
+            "self_attn.v_proj": ((kv_out, hidden), config.qkv_bias),
+            "self_attn.o_proj": ((hidden, q_out), config.o_bias),
+            "mlp.gate_proj": ((inter, hidden), config.mlp_bias), "mlp.up_proj": ((inter, hidden), config.mlp_bias),
+            "mlp.down_proj": ((hidden, inter), config.mlp_bias)}
+        for name, (shape, has_bias) in projections.items():
             tensors[f"{prefix}{name}.weight"] = normal(*shape)
-            has_bias = (config.qkv_bias if name[-6:] in ("q_proj", "k_proj", "v_proj")
-                        else config.o_bias if name.endswith("o_proj") else config.mlp_bias)
             if has_bias:
                 tensors[f"{prefix}{name}.bias"] = zeros(shape[0])
         tensors[f"{prefix}input_layernorm.weight"] = ones(hidden)

@@ -155,22 +155,21 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, quantiz
     config = ModelConfig.from_dir(path)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
-    if device.type != "cpu":
-        if quantization in REQUANTIZE_BITS:
-            raise ValueError(f"quantization {quantization} runs CPU kernels: on {device} use auto or none")
-        dtype = torch.bfloat16 if dtype in (None, "auto") else parse_dtype(dtype)
+    if device.type != "cpu" and quantization in REQUANTIZE_BITS:
+        raise ValueError(f"quantization {quantization} runs CPU kernels: on {device} use auto or none")
+    if load_format == "dummy" and quantization in REQUANTIZE_BITS:
+        model = load_model(path, torch.float32, "none", "dummy")
+        _requantize(model, REQUANTIZE_BITS[quantization])
+        return model
+    if load_format == "dummy" or device.type != "cpu":
+        # bf16 by default off the CPU; packing (a CPU bf16 layout) only where packing_available says
+        dtype = torch.bfloat16 if device.type != "cpu" and dtype in (None, "auto") else parse_dtype(dtype)
+        pack = packing_available(dtype, device)
         if load_format == "dummy":
-            return _assemble(config, Checkpoint(dummy_tensors(config, dtype, device), dtype, path, device), False)
+            return _assemble(config, Checkpoint(dummy_tensors(config, dtype, device), dtype, path, device), pack)
         if (path / GGUF_FILE).exists():
             return _build_gguf(path / GGUF_FILE, config, dtype, quantized=False, device=device)
-        return _assemble(config, Checkpoint(_read_tensors(path, None), dtype, path, device), False)
-    if load_format == "dummy":
-        if quantization in REQUANTIZE_BITS:
-            model = load_model(path, torch.float32, "none", "dummy")
-            _requantize(model, REQUANTIZE_BITS[quantization])
-            return model
-        dtype = parse_dtype(dtype)
-        return _assemble(config, Checkpoint(dummy_tensors(config, dtype), dtype, path), packing_available(dtype))
+        return _assemble(config, Checkpoint(_read_tensors(path, None), dtype, path, device), pack)
     if quantization in REQUANTIZE_BITS:
         if dtype not in (None, "auto") and parse_dtype(dtype) != torch.float32:
             raise ValueError(f"{quantization} blocks compute in float32, not {dtype}: leave the dtype unset")
@@ -266,7 +265,7 @@ def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: 
     device = torch.device(device)
     source = GGUFWeights(file, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                          llama_rope_order=config.model_type in ("llama", "mistral"))
-    pack = not quantized and device.type == "cpu" and packing_available(dtype)
+    pack = not quantized and packing_available(dtype, device)
 
     def plain(name: str) -> torch.Tensor:
         return source.take(name, quantized=False).to(device=device, dtype=dtype)
