@@ -98,6 +98,90 @@ def slots_for(block_table: Sequence[int], start: int, count: int, block_size: in
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
 
 
+HOST_FIELDS = ("query_start_loc", "context_lens", "tree_lens", "block_tables", "slot_mapping", "positions",
+               "ancestor_mask")
+
+
+@dataclass(frozen=True, order=True)
+class PaddedSize:
+    """Fixed sizes to pad a step to, so that one captured CUDA graph serves every step within them.
+
+    Padding requests have no nodes and padding tokens slot -1 (no request): the Triton kernels
+    skip both (the other backends take unpadded steps only). The facts of a padded step are
+    these bounds, so the kernels' launch (tiles, mask kind, context splits) is the same for
+    every step padded to one size."""
+
+    tokens: int
+    requests: int
+    width: int  # nodes per tree at most (<= BITMASK_MAX_NODES: the kernel's bitmask)
+    blocks: int  # block-table columns
+    context: int  # tokens cached per request at most
+
+    def fits(self, tree_lens: Sequence[int], context_lens: Sequence[int], table_lens: Sequence[int]) -> bool:
+        return (sum(tree_lens) <= self.tokens and len(tree_lens) <= self.requests and max(tree_lens) <= self.width
+                and max(table_lens) <= self.blocks and max(context_lens) <= self.context)
+
+
+def host_tensors(
+    trees: Sequence[TreeLike],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    bitmask: bool = False,
+    pad: PaddedSize | None = None,
+) -> tuple[list[torch.Tensor], dict]:
+    """A step's metadata as host tensors (`HOST_FIELDS`' order, then the tree bitmask where
+    `bitmask` asks for it and the trees fit one), and the facts the host knows of it; with
+    `pad`, padded to its sizes."""
+    if not (len(trees) == len(context_lens) == len(block_tables)) or not trees:
+        raise ValueError("need one tree, context_len and block table per request (and at least one)")
+    lens = [len(t) for t in trees]
+    if pad is not None and not pad.fits(lens, context_lens, [len(bt) for bt in block_tables]):
+        raise ValueError(f"a step of {len(trees)} trees of {lens} nodes does not fit {pad}")
+    requests = len(trees) if pad is None else pad.requests
+    max_n = max(lens) if pad is None else pad.width
+    max_blocks = max(len(bt) for bt in block_tables) if pad is None else pad.blocks
+    slots: list[int] = []
+    positions: list[int] = []
+    for tree, ctx, table in zip(trees, context_lens, block_tables, strict=True):
+        slots += slots_for(table, ctx, len(tree), block_size)
+        positions += [ctx + d for d in tree.depths]
+    padding = 0 if pad is None else pad.tokens - len(slots)
+    slots += [-1] * padding
+    positions += [0] * padding
+    missing = requests - len(trees)
+    # A few tensor ops per step, not a few per request: a step of 32 decodes made ~160 before.
+    tables = torch.tensor([[*table, *[0] * (max_blocks - len(table))] for table in block_tables]
+                          + [[0] * max_blocks] * missing, dtype=torch.int64)
+    tree_lens = torch.tensor(lens + [0] * missing, dtype=torch.int64)
+    masks = chain_masks(tree_lens, max_n)
+    for b, tree in enumerate(trees):
+        if not tree.is_chain:
+            masks[b, : len(tree), : len(tree)] = tree.ancestor_mask
+    starts = torch.tensor([0, *itertools.accumulate(lens + [0] * missing)], dtype=torch.int64)
+
+    def as_tensor(x: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.int64)
+
+    host = [starts, as_tensor([*context_lens, *[0] * missing]), tree_lens, tables, as_tensor(slots),
+            as_tensor(positions), masks]
+    if bitmask and max_n <= 64:
+        bits = (masks.long() * (torch.ones(max_n, dtype=torch.int64) << torch.arange(max_n))).sum(-1)
+        rows = torch.tensor([b * max_n + i for b, n in enumerate(lens) for i in range(n)], dtype=torch.int64)
+        host.append(torch.cat([bits.flatten()[rows], torch.zeros(padding, dtype=torch.int64)]))
+    if pad is not None:
+        facts = {"max_tree_len": pad.width, "max_context_len": pad.context, "max_seq_len": pad.context + pad.width,
+                 "is_rectangular": False, "is_fresh_prefill": False, "all_chains": pad.width == 1}
+    else:
+        all_chains = all(t.is_chain for t in trees)
+        facts = {"max_tree_len": max_n, "max_context_len": max(context_lens),
+                 "max_seq_len": max(c + n for c, n in zip(context_lens, lens, strict=True)),
+                 "is_rectangular": all(n == max_n for n in lens),
+                 "is_fresh_prefill": len(trees) == 1 and all_chains and context_lens[0] == 0,
+                 "all_chains": all_chains}
+    return host, facts
+
+
 @dataclass(eq=False)
 class AttentionMetadata:
     block_size: int
@@ -119,37 +203,18 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        if not (len(trees) == len(context_lens) == len(block_tables)) or not trees:
-            raise ValueError("need one tree, context_len and block table per request (and at least one)")
-        lens = [len(t) for t in trees]
-        max_n = max(lens)
-        max_blocks = max(len(bt) for bt in block_tables)
-        slots: list[int] = []
-        positions: list[int] = []
-        for tree, ctx, table in zip(trees, context_lens, block_tables, strict=True):
-            slots += slots_for(table, ctx, len(tree), block_size)
-            positions += [ctx + d for d in tree.depths]
-        # A few tensor ops per step, not a few per request: a step of 32 decodes made ~160 before.
-        tables = torch.tensor([[*table, *[0] * (max_blocks - len(table))] for table in block_tables],
-                              dtype=torch.int64)
-        tree_lens = torch.tensor(lens, dtype=torch.int64)
-        masks = chain_masks(tree_lens, max_n)
-        for b, tree in enumerate(trees):
-            if not tree.is_chain:
-                masks[b, : len(tree), : len(tree)] = tree.ancestor_mask
-        starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64)
+        device = torch.device(device)
+        host, facts = host_tensors(trees, context_lens, block_tables, block_size, bitmask=device.type != "cpu")
+        return cls.from_host(block_size, to_device(host, device), facts)
 
-        def as_tensor(x: Sequence[int]) -> torch.Tensor:
-            return torch.as_tensor(x, dtype=torch.int64)
-
-        host = [starts, as_tensor(context_lens), tree_lens, tables, as_tensor(slots), as_tensor(positions), masks]
-        meta = cls(block_size, *to_device(host, torch.device(device)), all_chains=all(t.is_chain for t in trees))
+    @classmethod
+    def from_host(cls, block_size: int, tensors: Sequence[torch.Tensor], facts: dict) -> AttentionMetadata:
+        """Metadata over `host_tensors`' tensors (wherever they now are) and facts."""
+        meta = cls(block_size, *tensors[:len(HOST_FIELDS)], all_chains=facts["all_chains"])
+        if len(tensors) > len(HOST_FIELDS):
+            facts = {**facts, "tree_bitmask": tensors[len(HOST_FIELDS)]}
         # What the host already knows, so that asking never reads back from an accelerator
-        facts = {"max_tree_len": max_n, "max_context_len": max(context_lens),
-                 "max_seq_len": max(c + n for c, n in zip(context_lens, lens, strict=True)),
-                 "is_rectangular": all(n == max_n for n in lens),
-                 "is_fresh_prefill": len(trees) == 1 and meta.all_chains and context_lens[0] == 0}
-        meta.__dict__.update(facts)  # the cached properties' own slots
+        meta.__dict__.update({k: v for k, v in facts.items() if k != "all_chains"})  # the cached properties' slots
         return meta
 
     # -- sizes ----------------------------------------------------------------------------

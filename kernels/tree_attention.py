@@ -123,7 +123,7 @@ def _tree_attention_kernel(
     block_tables_ptr, query_start_ptr, context_lens_ptr, tree_lens_ptr,
     tree_bits_ptr, dense_mask_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, split_size, num_splits, num_heads,
+    scale_log2, num_splits, num_heads,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -131,7 +131,7 @@ def _tree_attention_kernel(
     stride_bt, stride_mb, stride_mi,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CHAIN: tl.constexpr, USE_BITMASK: tl.constexpr, SPLIT: tl.constexpr,
+    IS_CHAIN: tl.constexpr, USE_BITMASK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     request = tl.program_id(0)
@@ -166,7 +166,9 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
 
-    # 1. This split's share of the cached context: every row sees every key.
+    # 1. This split's share of the cached context: every row sees every key. Shares are sized per
+    # request, so a launch's arguments do not depend on the step's contexts (a CUDA graph replays it).
+    split_size = tl.cdiv(tl.cdiv(context_len, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
     context_lo = split * split_size
     context_hi = tl.minimum(context_len, context_lo + split_size)
     for start in range(context_lo, context_hi, BLOCK_N):
@@ -304,8 +306,6 @@ def paged_tree_attention(
     use_bitmask = meta.max_tree_len <= BITMASK_MAX_NODES
     if num_splits is None:
         num_splits = _num_splits(meta.max_context_len, meta.num_requests * q_tiles * num_kv_heads, q.device)
-    split_size = -(-max(meta.max_context_len, 1) // num_splits)
-    split_size = -(-split_size // _SPLIT_ALIGN) * _SPLIT_ALIGN
 
     out = torch.empty_like(q)
     if num_splits > 1:
@@ -322,7 +322,7 @@ def paged_tree_attention(
         meta.block_tables, meta.query_start_loc, meta.context_lens, meta.tree_lens,
         tree_bits, dense_mask,
         part_acc, part_max, part_sum,
-        scale * _LOG2E, split_size, num_splits, num_heads,
+        scale * _LOG2E, num_splits, num_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -330,7 +330,7 @@ def paged_tree_attention(
         meta.block_tables.stride(0), dense_mask.stride(0), dense_mask.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
-        IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, SPLIT=num_splits > 1,
+        IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, SPLIT=num_splits > 1, SPLIT_ALIGN=_SPLIT_ALIGN,
         UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
     if num_splits > 1:
@@ -351,9 +351,12 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_k_slot, stride_v_slot,
     HEAD_DIM: tl.constexpr, ROW: tl.constexpr, ROW_P: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Copy token t's K and V (`[Hkv, D]`, any head stride) into cache slot `slot_mapping[t]`."""
+    """Copy token t's K and V (`[Hkv, D]`, any head stride) into cache slot `slot_mapping[t]`;
+    a negative slot is padding (a step padded to a captured graph's size): nothing written."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
     offs = tl.arange(0, ROW_P)
     valid = offs < ROW
     head, d = offs // HEAD_DIM, offs % HEAD_DIM

@@ -277,6 +277,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default): the target's weights; dummy: random weights at the shape of its "
                         "config.json (configs/models/ has Llama-2-7B, -13B, Llama-3.1-8B and a 160M draft), "
                         "a synthetic byte tokenizer where the directory has none: for measuring speed")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="on CUDA, run every step op by op instead of replaying the CUDA graphs captured at "
+                        "start-up for small steps (decodes and verification trees of up to 512 tokens)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running per step at most (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -292,7 +295,8 @@ def engine_settings(args: argparse.Namespace) -> dict:
     settings = load_config_file(args.config) if args.config else {}
     for name in ("target", "draft", "speculation", "max_tree_tokens", "draft_top_k", "draft_beam", "draft_vocab",
                  "draft_quantization", "quantization", "kv_cache_memory", "dtype", "block_size", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "device", "load_format"):
+                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "device", "load_format",
+                 "enforce_eager"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     settings.setdefault("target", DEFAULT_TARGET)

@@ -59,6 +59,9 @@ class EngineConfig:
     # "auto": the model directory's weights; "dummy": random weights at its config.json's shape
     # (`specserve.models.dummy`), to measure speed where the weights cannot be fetched.
     load_format: str = "auto"
+    # On CUDA, small steps (decodes and verification trees up to 512 tokens) replay forwards
+    # captured at start-up as CUDA graphs (`specserve.cuda_graphs`); True runs every step eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -36,10 +36,12 @@ from drafters import (
     build_part_drafter,
 )
 from drafters.base import Commit, Observes, OwnsKV, UsesTarget
+from drafters.draft_model import DraftModelDrafter
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
 from specserve.calibration import load_or_measure
 from specserve.config import EngineConfig, gpu_kv_budget
+from specserve.cuda_graphs import padded_sizes
 from specserve.detokenizer import TextStream, load_tokenizer
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ForwardResult, ModelRunner, RequestRows, TreeRequest
@@ -128,6 +130,8 @@ class LLMEngine:
         # Called with (request id, drafted tree, accepted path) after every verification: what
         # `specserve ablate` draws its tree shapes from.
         self.tree_observers: list[Callable[[str, TokenTree, list[int]], None]] = []
+        if device.type == "cuda" and not self.config.enforce_eager:
+            self._capture_graphs()  # before calibration, which then measures the steps as they will run
         if self.drafter is not None:
             self._calibrate()
         # Everything alive now (the model's modules, tokenizer, imported libraries: ~360k objects
@@ -161,6 +165,19 @@ class LLMEngine:
         torch.cuda.empty_cache()
         return gpu_kv_budget(torch.cuda.mem_get_info(device)[1], in_use, fraction)
 
+    def _capture_graphs(self) -> None:
+        """CUDA graphs for the target's small steps (decodes, trees of up to max_tree_tokens drafted
+        nodes) and, at the same sizes, for the draft models' forwards."""
+        cfg = self.config
+        width = 1 if cfg.speculation == "off" else cfg.max_tree_tokens + 1
+        blocks = -(-(self.max_model_len + width) // cfg.block_size)
+        sizes = padded_sizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, (1, width), blocks, self.max_model_len)
+        hidden_sets = [(), *(part.hidden_wanted() for part in self._parts.values() if isinstance(part, Observes))]
+        self.runner.capture_graphs(sizes, hidden_sets)
+        for part in self._parts.values():
+            if isinstance(part, DraftModelDrafter) and part.runner is not None:
+                part.runner.capture_graphs(sizes)
+
     def _describe(self) -> dict[str, str]:
         """What this engine runs on and with: the CPU, dtype, weight format, kernels, default drafter."""
         from kernels import native, ops
@@ -177,7 +194,8 @@ class LLMEngine:
             if ours and "blocks" not in weights:
                 kernels += " (attention), torch (matmuls)"
         else:
-            kernels = f"{attention} (attention), torch (matmuls)"
+            graphs = len(self.runner.graphs) if self.runner.graphs is not None else 0
+            kernels = f"{attention} (attention), torch (matmuls), " + (f"{graphs} CUDA graphs" if graphs else "eager")
         name = processor_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
         return {"cpu": processor_name(), "device": f"{device.type}: {name}",
                 "dtype": str(self.model.dtype).removeprefix("torch."), "weights": weights, "kernels": kernels,

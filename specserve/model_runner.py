@@ -9,7 +9,8 @@ from typing import Literal
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, PaddedSize
+from specserve.cuda_graphs import CudaGraphs
 from specserve.kv_cache import KVCache
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 from specserve.tree import TokenTree
@@ -65,6 +66,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache):
         self.model = model
         self.kv_cache = kv_cache
+        self.graphs: CudaGraphs | None = None  # captured forwards for small steps (CUDA)
 
     @property
     def block_size(self) -> int:
@@ -81,16 +83,31 @@ class ModelRunner:
                                        [r.block_table for r in requests], self.block_size, self.device)
 
     @torch.inference_mode()
+    def capture_graphs(self, sizes: Sequence[PaddedSize], hidden_sets: Sequence[Sequence[int]] = ((),),
+                       capture: bool | None = None) -> None:
+        """Capture the forwards of steps up to `sizes` (see `specserve.cuda_graphs`); from now on a
+        step that fits one replays it. `capture=False` replays eagerly (a CPU runs the same buffers)."""
+        self.graphs = CudaGraphs(self.model, self.kv_cache, sizes, hidden_sets, capture)
+        self.graphs.capture_all()
+
+    @torch.inference_mode()
     def forward(
         self, requests: Sequence[TreeRequest], hidden_at: Sequence[int] = (), num_layers: int | None = None
     ) -> ForwardResult:
-        meta = self.metadata(requests)
         starts = [0, *itertools.accumulate(len(r.tree) for r in requests)]  # from the host: no read
         selected, counts = _logits_rows(requests, starts)
-        out = self.model(_input_ids(requests, self.device), meta, self.kv_cache,
-                         logits_indices=selected.to(self.device, non_blocking=True), hidden_at=hidden_at,
-                         num_layers=num_layers)
-        return ForwardResult(out.logits, out.hidden, [0, *itertools.accumulate(counts)], starts)
+        selected = selected.to(self.device, non_blocking=True)
+        graph = None if self.graphs is None or num_layers is not None else self.graphs.find(requests, hidden_at)
+        if graph is not None:
+            normed, hidden = self.graphs.run(graph, requests)
+            # Out of the graph's outputs, which the next replay rewrites: the logits and copies
+            logits = self.model.score(normed[selected])
+            hidden = {k: h[: starts[-1]].clone() for k, h in hidden.items()}
+        else:
+            out = self.model(_input_ids(requests, self.device), self.metadata(requests), self.kv_cache,
+                             logits_indices=selected, hidden_at=hidden_at, num_layers=num_layers)
+            logits, hidden = out.logits, out.hidden
+        return ForwardResult(logits, hidden, [0, *itertools.accumulate(counts)], starts)
 
     @torch.inference_mode()
     def run_layers(self, requests: Sequence[TreeRequest], num_layers: int) -> torch.Tensor:

@@ -184,6 +184,20 @@ class LlamaForCausalLM(nn.Module):
 
         `num_layers` stops after the first layers and applies the final norm and LM head there
         (early exit: the target's own cheap draft, reusing its cache for those layers)."""
+        normed, hidden = self.final_hidden(input_ids, meta, kv_cache, logits_indices, hidden_at, num_layers)
+        return ForwardOutput(logits=self.score(normed), hidden=hidden)
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        rows: torch.Tensor | None = None,
+        hidden_at: Sequence[int] = (),
+        num_layers: int | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward` up to the LM head: the final-normed states of token `rows` (all: None), and
+        the hidden states `hidden_at` names."""
         if self.rotary is None:
             raise RuntimeError("call init_rotary() after loading weights")
         total = self.config.num_layers
@@ -192,14 +206,13 @@ class LlamaForCausalLM(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         x, delta = self._layers(input_ids, meta, kv_cache, num_layers, hidden_at, hidden)
         final = total in hidden_at and (num_layers is None or num_layers == total)
-        if logits_indices is not None and not final:
-            x, delta = x[logits_indices], delta if delta is None else delta[logits_indices]  # only rows with logits
-            logits_indices = None
+        if rows is not None and not final:
+            x, delta = x[rows], delta if delta is None else delta[rows]  # only the rows asked for
+            rows = None
         _, normed = self.norm.add_forward(x, delta)
         if final:
             hidden[total] = normed
-        selected = normed if logits_indices is None else normed[logits_indices]
-        return ForwardOutput(logits=self.score(selected), hidden=hidden)
+        return (normed if rows is None else normed[rows]), hidden
 
     def run_layers(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                    num_layers: int | None = None, hidden_at: Sequence[int] = (),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata, pack, unpack
+from kernels.metadata import AttentionMetadata, PaddedSize, host_tensors, pack, unpack
 from specserve.tree import TokenTree
 
 
@@ -35,3 +35,28 @@ def test_metadata_on_a_device_equals_the_host_s_and_knows_its_sizes_from_the_hos
     assert (placed.max_tree_len, placed.max_context_len, placed.max_seq_len) == (4, 20, 24)
     assert not placed.is_rectangular and not placed.is_fresh_prefill
     assert AttentionMetadata.build([TokenTree.chain([1, 2])], [0], [[0]], 16).is_fresh_prefill
+
+
+def test_a_padded_step_adds_empty_requests_and_slotless_tokens_and_states_the_bounds_as_its_facts():
+    trees = [TokenTree.chain([1, 2]), TokenTree((3, 4, 5), (-1, 0, 0))]
+    size = PaddedSize(tokens=8, requests=4, width=4, blocks=3, context=64)
+    host, facts = host_tensors(trees, [5, 17], [[2], [0, 1]], 16, bitmask=True, pad=size)
+    starts, contexts, lens, tables, slots, positions, masks, bits = host
+    assert starts.tolist() == [0, 2, 5, 5, 5] and lens.tolist() == [2, 3, 0, 0] and contexts.tolist() == [5, 17, 0, 0]
+    assert tables.tolist() == [[2, 0, 0], [0, 1, 0], [0, 0, 0], [0, 0, 0]]
+    assert slots.tolist() == [37, 38, 17, 18, 19, -1, -1, -1] and positions.tolist() == [5, 6, 17, 18, 18, 0, 0, 0]
+    assert masks.shape == (4, 4, 4) and not masks[2:].any()
+    assert bits.tolist() == [0b1, 0b11, 0b1, 0b11, 0b101, 0, 0, 0]
+    assert (facts["max_tree_len"], facts["max_context_len"], facts["all_chains"]) == (4, 64, False)
+
+
+@pytest.mark.parametrize(("trees", "contexts", "tables"), [
+    ([TokenTree.chain([1] * 5)], [0], [[0]]),  # wider than the size
+    ([TokenTree.single(1)] * 5, [0] * 5, [[0]] * 5),  # more requests
+    ([TokenTree.single(1)], [100], [[0, 1, 2, 3, 4, 5, 6]]),  # a longer context and block table
+])
+def test_a_step_beyond_a_padded_size_does_not_fit_it(trees, contexts, tables):
+    size = PaddedSize(tokens=8, requests=4, width=4, blocks=3, context=64)
+    assert not size.fits([len(t) for t in trees], contexts, [len(t) for t in tables])
+    with pytest.raises(ValueError, match="does not fit"):
+        host_tensors(trees, contexts, tables, 16, pad=size)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import ops, reference
-from kernels.metadata import AttentionMetadata, compaction_slots
+from kernels.metadata import AttentionMetadata, PaddedSize, compaction_slots, host_tensors, to_device
 from specserve.tree import TokenTree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,6 +170,28 @@ def test_tree_bitmask_sets_ancestor_bits():
     wide = TokenTree((1,) * 64, (-1,) + (0,) * 63)
     last = AttentionMetadata.build([wide], [0], [[0, 1, 2, 3]], 16).tree_bitmask[-1]
     assert int(last) == -(2**63) + 1  # bit 63 is the sign bit, bit 0 the root
+
+
+def test_a_step_padded_to_a_fixed_size_gives_its_tokens_the_same_attention_and_writes_nothing_for_padding():
+    """What a CUDA graph replays: requests of no nodes and tokens of slot -1 added, the launch
+    planned for the size's bounds (widest tree, longest context), not for the step."""
+    rng = random.Random(21)
+    trees = [random_tree(rng, 5, "random"), TokenTree.single(1), TokenTree.chain([1] * 3)]
+    meta, k_cache, v_cache = paged_case(rng, trees, [40, 0, 130], 16, 2, 32, torch.float32)
+    size = PaddedSize(tokens=16, requests=8, width=8, blocks=meta.block_tables.shape[1] + 2, context=512)
+    host, facts = host_tensors(trees, [40, 0, 130], meta.block_tables.tolist(), 16, bitmask=True, pad=size)
+    padded = AttentionMetadata.from_host(16, to_device(host, torch.device(DEVICE)), facts)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(size.tokens, 4, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(size.tokens, 2, 32, generator=gen).to(DEVICE) for _ in range(2))
+    padded_k, padded_v = k_cache.clone(), v_cache.clone()
+    triton_kernels.write_kv(k, v, padded_k, padded_v, padded.slot_mapping)
+    out = triton_kernels.paged_tree_attention(q, padded_k, padded_v, padded, 32**-0.5)
+    real = meta.num_tokens
+    triton_kernels.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
+    assert torch.equal(padded_k, k_cache) and torch.equal(padded_v, v_cache)  # padding wrote nowhere
+    expected = triton_kernels.paged_tree_attention(q[:real], k_cache, v_cache, meta, 32**-0.5)
+    torch.testing.assert_close(out[:real], expected, atol=1e-5, rtol=1e-5)
 
 
 # -- K/V writes and compaction -------------------------------------------------------------

@@ -82,6 +82,8 @@ def test_flags_override_the_config_file(tmp_path):
     assert engine_settings(args)["draft_vocab"] == 32768
     args = build_parser().parse_args(["generate", "hi", "--draft-quantization", "int8"])
     assert engine_settings(args)["draft_quantization"] == "int8"
+    args = build_parser().parse_args(["serve", "--enforce-eager"])
+    assert engine_settings(args)["enforce_eager"] is True
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_settings(args) == {"target": "smollm2-135m-instruct"}
 
