@@ -161,15 +161,21 @@ def throughput(llm: LLM, batch: list[list[int]], params: SamplingParams) -> tupl
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, spec
 
 
-def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool, deadline: Deadline) -> list[dict]:
+def build_engine(target: Path, draft: Path, device: torch.device, smoke: bool, max_num_seqs: int, kv_cache_memory: str,
+           enforce_eager: bool) -> LLM:
+    return LLM(str(target), draft=str(draft), load_format="dummy", device=str(device),
+               dtype="float32" if device.type == "cpu" else "bfloat16", speculation="adaptive",
+               kv_cache_memory="256MiB" if smoke else kv_cache_memory, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max(512, max_num_seqs), enable_prefix_caching=False, enforce_eager=enforce_eager)
+
+
+def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool, deadline: Deadline,
+                enforce_eager: bool = False) -> list[dict]:
     batches = (1, 4) if smoke else (1, 8, 64, 256)
     length, out = (8, 16) if smoke else (128, 128)
     vocab = ModelConfig.from_dir(target).vocab_size
     work = prompts(max(batches), length, vocab)
-    llm = LLM(str(target), draft=str(draft), load_format="dummy", device=str(device),
-              dtype="float32" if device.type == "cpu" else "bfloat16", speculation="adaptive",
-              kv_cache_memory="256MiB" if smoke else "30GiB", max_num_seqs=max(batches),
-              max_num_batched_tokens=max(512, max(batches)), enable_prefix_caching=False)
+    llm = build_engine(target, draft, device, smoke, max(batches), "30GiB", enforce_eager)
 
     def params(spec: SpeculationParams) -> SamplingParams:
         return SamplingParams(max_tokens=out, temperature=0, ignore_eos=True, speculation=spec)
@@ -193,15 +199,27 @@ def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool, de
             rate, counters = throughput(llm, work[:batch], params(spec))
             rows.append({"batch": batch, "config": name, "tok_s": rate, **counters})
     del llm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
+    if not enforce_eager and not deadline.over("engine without CUDA graphs"):  # what the graphs bring
+        llm = build_engine(target, draft, device, smoke, max(batches), "8GiB", enforce_eager=True)
+        throughput(llm, work[:2], params(configs["none"]))
+        for batch in batches[:2]:
+            rate, counters = throughput(llm, work[:batch], params(configs["none"]))
+            rows.append({"batch": batch, "config": "none, eager (no CUDA graphs)", "tok_s": rate, **counters})
+        del llm
+        _free(device)
     for batch in tqdm(batches, desc="transformers"):
         if deadline.over(f"transformers batch {batch}"):
             continue
         rows.append({"batch": batch, "config": "transformers static cache",
                      "tok_s": transformers_rate(target, work[:batch], out, device)})
     return rows
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def transformers_rate(target: Path, batch: list[list[int]], out: int, device: torch.device) -> float | None:
@@ -270,6 +288,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device: checks the script runs")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out: kernel, engine")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the engine without CUDA graphs (default: with them, and a no-speculation run without)")
     parser.add_argument("--budget-s", type=float, default=480,
                         help="start no new case after this many seconds (the run must fit 9 minutes on an H100); "
                              "the kernel section gets a third of it")
@@ -297,7 +317,8 @@ def main() -> None:
             (draft / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
         else:
             target, draft = MODELS / "llama-2-7b", MODELS / "llama-160m"
-        engine = engine_rows(target, draft, device, args.smoke, deadline) if "engine" not in skip else []
+        engine = (engine_rows(target, draft, device, args.smoke, deadline, args.enforce_eager)
+                  if "engine" not in skip else [])
     result = {"benchmark": "gpu", "device": gpu, "torch": torch.__version__, "triton": triton.__version__,
               "smoke": args.smoke, "copy_gb_per_s": bandwidth / 1e9, "kernel": kernel, "engine": engine,
               "not_run_for_time": kernel_deadline.missed + deadline.missed,
