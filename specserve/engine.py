@@ -172,7 +172,8 @@ class LLMEngine:
         width = 1 if cfg.speculation == "off" else cfg.max_tree_tokens + 1
         blocks = -(-(self.max_model_len + width) // cfg.block_size)
         sizes = padded_sizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, (1, width), blocks, self.max_model_len)
-        hidden_sets = [(), *(part.hidden_wanted() for part in self._parts.values() if isinstance(part, Observes))]
+        drafters = [self.drafter, *self._parts.values()]  # a merged drafter reads what its parts do together
+        hidden_sets = [(), *(d.hidden_wanted() for d in drafters if isinstance(d, Observes))]
         self.runner.capture_graphs(sizes, hidden_sets)
         for part in self._parts.values():
             if isinstance(part, DraftModelDrafter) and part.runner is not None:
