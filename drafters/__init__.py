@@ -58,6 +58,10 @@ def build_part_drafter(part: DrafterSpec, options: DrafterOptions) -> Drafter:
         from drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if part.kind == "suffix":
+        from drafters.suffix import SUFFIX_CACHE_TOKENS, SuffixDrafter
+
+        return SuffixDrafter(SUFFIX_CACHE_TOKENS if part.arg is None else int(part.arg))
     if part.kind == "replay":
         from drafters.replay import ReplayDrafter
 

@@ -70,6 +70,10 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:  # noqa: B027 - stateless drafters need nothing
         """Forget per-sequence state (the sequence finished, was aborted or was preempted)."""
 
+    def gauges(self) -> dict[str, float]:
+        """What it holds now, by name (`/metrics` shows each as a gauge): memory it bounds, say."""
+        return {}
+
 
 class UsesTarget(ABC):
     """Drafts with the target's runner or pool (early exit, draft models, heads)."""
@@ -97,6 +101,17 @@ class Commit:
     hidden: dict[int, torch.Tensor]  # the target's states of the committed rows, as `hidden_wanted` asks
 
 
+@dataclass
+class Ended:
+    """A sequence that ended (finished, aborted or failed; not preempted): what the target produced."""
+
+    seq_id: int
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    # The request lets later requests draft from its output (`SpeculationParams.share_output`)
+    shared: bool = True
+
+
 class Observes(ABC):
     """Learns from what the target commits: n-gram lookup from the tokens (it scores its own
     guesses), heads from the target's hidden states. The only place a drafter learns."""
@@ -108,6 +123,10 @@ class Observes(ABC):
     @abstractmethod
     def observe(self, commit: Commit) -> None:
         """A sequence's step is final (called for every sequence it drafts for, each step)."""
+
+    def ended(self, ended: Ended) -> None:  # noqa: B027 - most learn only within a sequence
+        """A sequence it drafted for ended, with all it produced (its last step's tokens too, which
+        no commit shows: a finished sequence is not observed), just before `release`."""
 
 
 class Estimates:

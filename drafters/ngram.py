@@ -25,7 +25,7 @@ TOKEN_TYPECODE, TOKEN_BYTES = "i", 4  # a token id as bytes, for `bytes.rfind`
 
 
 @dataclass
-class _Guess:
+class Guess:
     """The best match's continuation when the sequence had `at` tokens, scored once it resolves."""
 
     kind: int
@@ -39,7 +39,7 @@ class _Index:
     """A sequence's tokens as bytes, for n-gram search, and its guesses."""
 
     text: bytearray = field(default_factory=bytearray)  # the first `indexed` tokens, TOKEN_BYTES each
-    guesses: list[_Guess] = field(default_factory=list)  # not yet resolved, oldest first
+    guesses: list[Guess] = field(default_factory=list)  # not yet resolved, oldest first
 
     @property
     def indexed(self) -> int:
@@ -61,7 +61,7 @@ class _Index:
             end = found + len(needle) - TOKEN_BYTES  # earlier matches may overlap this one
 
 
-class _Scores:
+class GuessScores:
     """Per kind of match and depth k: how often the guess's k-th token came true when its
     first k - 1 had (conditional rates, so a guess still running scores the depths it reached).
 
@@ -74,7 +74,7 @@ class _Scores:
         self.trials = [[0.0] * GUESS_DEPTH for _ in range(kinds)]
         self._profiles: dict[int, list[float]] = {}  # by kind, until its scores change
 
-    def score(self, guess: _Guess, actual: Sequence[int]) -> bool:
+    def score(self, guess: Guess, actual: Sequence[int]) -> bool:
         """Score the guess against `actual`, the tokens since it was made: True once resolved
         (a token missed, or all came true); else it waits for more (and resumes where it stopped)."""
         for want, got in zip(guess.tokens[guess.matched :], actual[guess.matched :], strict=False):
@@ -87,7 +87,7 @@ class _Scores:
             return True
         return False
 
-    def close(self, guess: _Guess) -> None:
+    def close(self, guess: Guess) -> None:
         """The sequence ended with the guess still coming true: it counts for the depths it reached."""
         self._add(guess.kind, guess.matched, missed=False)
 
@@ -131,7 +131,7 @@ class NgramDrafter(Drafter, Observes, Estimates):
         self.max_matches = max_matches
         self.spec = "ngram"
         self._indexes: dict[int, _Index] = {}
-        self._scores = _Scores(len(self.sizes) * AGREEMENT)
+        self._scores = GuessScores(len(self.sizes) * AGREEMENT)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self._propose(r) for r in requests]
@@ -173,7 +173,7 @@ class NgramDrafter(Drafter, Observes, Estimates):
             index.guesses.append(guess)
         return index
 
-    def _guess(self, index: _Index, tokens: Sequence[int]) -> _Guess | None:
+    def _guess(self, index: _Index, tokens: Sequence[int]) -> Guess | None:
         """The best match's continuation, by kind of match (None: no match)."""
         match = self._best_match(index)
         if match is None:
@@ -182,7 +182,7 @@ class NgramDrafter(Drafter, Observes, Estimates):
         recent = list(islice(starts, RECENT))
         agreeing = sum(tokens[s] == tokens[recent[0]] for s in recent)
         kind = (n - self.sizes.start) * AGREEMENT + min(agreeing, AGREEMENT) - 1
-        return _Guess(kind, len(tokens), list(tokens[recent[0] : recent[0] + GUESS_DEPTH]))
+        return Guess(kind, len(tokens), list(tokens[recent[0] : recent[0] + GUESS_DEPTH]))
 
     def _matches(self, index: _Index) -> Iterator[tuple[int, Iterator[int]]]:
         """Every n-gram ending the sequence that occurred before, longest first: (n, where each

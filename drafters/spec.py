@@ -2,6 +2,8 @@
 
     none                   speculation off
     ngram                  prompt lookup (no weights)
+    suffix[:TOKENS]        suffix decoding over the sequence and a cache of recent outputs of at most
+                           TOKENS tokens (default 262144; 0: the sequence alone)
     early-exit[:K]         the target's first K layers + its norm and LM head (untrained)
     early-exit:PATH        a trained early-exit head (`specserve train-drafter --kind early-exit`)
     early-exit:trained     the trained early-exit head shipped for the target
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KNOWN_KINDS = ("none", "ngram", "early-exit", "feature", "replay")
+KNOWN_KINDS = ("none", "ngram", "suffix", "early-exit", "feature", "replay")
+SUFFIX_CACHE_TOKENS = 1 << 18  # the suffix drafter's cross-request cache by default (1 MiB of int32 tokens)
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    kind: str  # "ngram", "early-exit", "early-exit-head", "feature", "replay" or "model"
-    arg: str | None = None  # early-exit: layers; heads: a path (None: the shipped head); model: name or path
+    kind: str  # "ngram", "suffix", "early-exit", "early-exit-head", "feature", "replay" or "model"
+    # suffix: cache tokens; early-exit: layers; heads: a path (None: the shipped head); model: name or path
+    arg: str | None = None
 
     def __str__(self) -> str:
         if self.kind == "model":
@@ -51,6 +55,11 @@ def _parse_part(part: str, spec: str) -> DrafterSpec:
         if arg:
             raise ValueError(f"drafter spec {spec!r}: ngram takes no argument")
         return DrafterSpec("ngram")
+    if kind == "suffix":
+        if arg and not arg.isdigit():
+            raise ValueError(f"drafter spec {spec!r}: suffix:TOKENS needs the cross-request cache's size in tokens, "
+                             "e.g. suffix:65536 (suffix:0 drafts from the sequence alone)")
+        return DrafterSpec("suffix", None if not arg or int(arg) == SUFFIX_CACHE_TOKENS else str(int(arg)))
     if kind == "early-exit":
         if arg == "trained":
             return DrafterSpec("early-exit-head")

@@ -35,7 +35,7 @@ from drafters import (
     build_drafter,
     build_part_drafter,
 )
-from drafters.base import Commit, Observes, OwnsKV, UsesTarget
+from drafters.base import Commit, Ended, Observes, OwnsKV, UsesTarget
 from drafters.draft_model import DraftModelDrafter
 from kernels.metadata import compaction_slots
 from specserve.block_manager import BlockManager
@@ -276,6 +276,11 @@ class LLMEngine:
             self.metrics.failed_requests += 1
             out.error = f"{type(error).__name__}: {error}"
         return out
+
+    def drafter_gauges(self) -> dict[tuple[str, str], float]:
+        """What the loaded drafters hold now, by (drafter spec, gauge name): for `/metrics`."""
+        parts = list(self._parts.values())  # the engine thread may add one meanwhile
+        return {(part.spec, name): value for part in parts for name, value in part.gauges().items()}
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -531,6 +536,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
+        _ended(seq)
         _release(seq)
 
     def _output(self, request: _Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
@@ -578,6 +584,17 @@ class Drafts:
     @property
     def num_drafted(self) -> int:
         return sum(d.num_drafted for d in self.trees.values())
+
+
+def _ended(seq: Sequence) -> None:
+    """Tell the sequence's drafter all it produced (a drafter that fails here is logged, not fatal)."""
+    if not isinstance(seq.drafter, Observes):
+        return
+    spec = seq.params.speculation
+    try:
+        seq.drafter.ended(Ended(seq.seq_id, seq.prompt_ids, seq.output_ids, spec is None or spec.share_output))
+    except Exception:  # noqa: BLE001 -- the sequence is done either way
+        logger.warning("drafter %r failed to take ended sequence %d", seq.drafter.spec, seq.seq_id, exc_info=True)
 
 
 def _release(seq: Sequence) -> None:

@@ -3,7 +3,7 @@ parameters, and the response and stream-chunk bodies built from engine outputs.
 
 Extensions beyond OpenAI's fields, named as vLLM names them: `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, and `speculation` ({"enabled", "drafter",
-"max_tree_tokens", "tree", "top_k", "max_depth"}, see `specserve.sampling.SpeculationParams`);
+"max_tree_tokens", "tree", "top_k", "max_depth", "share_output"}, see `specserve.sampling.SpeculationParams`);
 `usage` carries speculation counts (target forwards that verified a tree, drafted and accepted tokens).
 """
 
@@ -55,6 +55,7 @@ class SpeculationField(BaseModel):
     tree: Literal["chain", "tree", "dynamic"] | None = None
     top_k: int | None = Field(default=None, ge=1)
     max_depth: int | None = Field(default=None, ge=1)
+    share_output: bool = True
 
 
 class StreamOptions(BaseModel):

@@ -60,6 +60,9 @@ class SpeculationParams:
     tree: str | None = None
     top_k: int | None = None  # children per expanded node ("tree", "dynamic"); None: the engine's
     max_depth: int | None = None  # drafted tokens on a root-to-leaf path at most; None: the budget
+    # False: this request's output is not kept for drafting other requests' (the `suffix` drafter's
+    # cross-request cache); it still drafts from what others shared.
+    share_output: bool = True
 
     def __post_init__(self) -> None:
         if self.drafter is not None:
@@ -75,6 +78,8 @@ class SpeculationParams:
             raise ValueError(f"speculation.top_k must be >= 1, got {self.top_k}")
         if self.max_depth is not None and self.max_depth < 1:
             raise ValueError(f"speculation.max_depth must be >= 1, got {self.max_depth}")
+        if not isinstance(self.share_output, bool):
+            raise ValueError(f"speculation.share_output must be true or false, got {self.share_output!r}")
 
     @classmethod
     def coerce(cls, value: SpeculationParams | dict | None) -> SpeculationParams | None:

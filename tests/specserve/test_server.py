@@ -233,6 +233,17 @@ def test_metrics_count_requests_latencies_and_speculation_in_prometheus_format(s
     assert 'kernels="specserve-cpu ' in info and 'cpu="' in info and info.endswith("} 1")
 
 
+def test_metrics_show_what_a_drafter_holds_and_requests_may_keep_their_output_to_themselves(server):
+    def cached() -> float:
+        return metric(server, 'drafter_suffix_cache_tokens{drafter="suffix"}')
+
+    before = cached()
+    for share in (False, True):
+        server.client().completions.create(model=MODEL, prompt="Suffix", temperature=0, max_tokens=8, extra_body={
+            "ignore_eos": True, "speculation": {"drafter": "suffix", "share_output": share}})
+        assert cached() == before + 8 * share  # the shared output's tokens, not the private one's
+
+
 # -- errors, by raw HTTP ----------------------------------------------------------------------------
 
 
@@ -495,10 +506,11 @@ def test_a_request_the_engine_fails_gets_a_500_naming_the_cause_and_the_others_g
 
 def test_drafter_specs_are_normalised_and_bounded(server):
     engine = server.engine.engine
+    before = set(engine._drafters)
     for spaces in range(40):
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "speculation": {"drafter": " NGram" + " " * spaces}}
         assert post(server, "/v1/completions", body).status_code == 200
-    assert set(engine._drafters) <= {"ngram", "none"}
+    assert set(engine._drafters) <= before | {"ngram", "none"}
     message = error_of(post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi",
                                                         "speculation": {"drafter": "ngram" + " " * 300}}), 400)
     assert "speculation.drafter" in message and "256" in message

@@ -69,6 +69,7 @@ def spec_bench(smollm2_path):
 DRAFTERS = {  # every kind of drafter, and a merge of two (model drafters grow small trees here: speed;
     # the draft model scores only its first 16k token ids, with int8 projections: neither may matter)
     "ngram": dict(draft="ngram"),
+    "suffix": dict(draft="suffix"),
     "draft-model": dict(draft="{draft}", draft_top_k=2, draft_beam=2, max_tree_tokens=6, draft_vocab=16384,
                         draft_quantization="int8"),
     "early-exit": dict(draft="early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
@@ -209,6 +210,10 @@ class RecordingDrafter(Drafter, Observes):
         if isinstance(self.inner, Observes):
             self.inner.observe(commit)
 
+    def ended(self, ended) -> None:
+        if isinstance(self.inner, Observes):
+            self.inner.ended(ended)
+
 
 def first_three(path, draft: str, params: SamplingParams, draws: int, **options) -> tuple[torch.Tensor, LLMEngine]:
     """Counts of the first three generated tokens over `draws` seeded requests (each generates
@@ -241,9 +246,9 @@ def plain_counts(path, case: str) -> torch.Tensor:
     return _plain_counts[case]
 
 
-@pytest.mark.parametrize("case", list(SAMPLING))
-def test_sampled_speculation_has_the_same_distribution(small_vocab_model, case, chi_square_two_sample):
-    speculative, engine = first_three(small_vocab_model, "ngram", SAMPLING[case], 20_000)
+@pytest.mark.parametrize(("drafter", "case"), [("ngram", "T=1"), ("ngram", "top_p=0.8"), ("suffix", "T=1")])
+def test_sampled_speculation_has_the_same_distribution(small_vocab_model, drafter, case, chi_square_two_sample):
+    speculative, engine = first_three(small_vocab_model, drafter, SAMPLING[case], 20_000)
     spec = engine.metrics.spec
     assert spec.verify_steps > 1000 and spec.accepted_tokens > 0
     if case == "T=1":
@@ -326,6 +331,22 @@ def test_requests_choose_their_own_speculation(small_vocab_model):
     assert chosen.metrics.spec.verify_steps > 0 and tokens_of([chosen]) == tokens_of([default])
 
 
+def test_suffix_decoding_drafts_from_the_outputs_requests_share(small_vocab_model):
+    engine = make_engine(small_vocab_model, draft="suffix")
+    cache = engine.drafter.cache
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = [3, 1, 4, 1, 5, 6, 2]
+    (private,) = run_batch(engine, [prompt], SamplingParams(**greedy, speculation={"share_output": False}))
+    assert cache.tokens == 0
+    (first,) = run_batch(engine, [prompt], SamplingParams(**greedy))
+    assert cache.tokens == 24 and tokens_of([first]) == tokens_of([private])
+    (again,) = run_batch(engine, [prompt], SamplingParams(**greedy))  # its output is known now
+    assert tokens_of([again]) == tokens_of([first])
+    assert again.metrics.spec.accepted_tokens > first.metrics.spec.accepted_tokens
+    gauges = engine.drafter_gauges()
+    assert gauges[("suffix", "suffix_cache_tokens")] == 48 and gauges[("suffix", "suffix_cache_outputs")] == 2
+
+
 def test_requests_choose_their_tree_shape(small_vocab_model, small_vocab_draft):
     engine = make_engine(small_vocab_model, draft=str(small_vocab_draft), max_tree_tokens=6)
     shapes = [{"tree": "chain", "max_depth": 2}, {"tree": "tree", "top_k": 3}, {"tree": "dynamic", "top_k": 2}, None]
@@ -349,6 +370,8 @@ def test_bad_speculation_fields_say_what_to_send():
         SamplingParams(speculation={"top_k": 0})
     with pytest.raises(ValueError, match="max_depth must be >= 1"):
         SamplingParams(speculation={"max_depth": 0})
+    with pytest.raises(ValueError, match="share_output must be true or false"):
+        SamplingParams(speculation={"share_output": "no"})
 
 
 # -- modes, calibration, drafter errors ------------------------------------------------------------

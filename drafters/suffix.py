@@ -1,0 +1,353 @@
+"""Suffix decoding (`suffix`): draft what followed earlier occurrences of the sequence's end, in
+its own tokens and in recent requests' outputs, as a tree scored by how often each came.
+
+As in SuffixDecoding (Oliaro et al., 2024): the longest suffix of the sequence (up to
+`MAX_MATCH` tokens) found in the sequence itself or in a cache of recent outputs, then the
+continuations of its latest occurrences merged into a trie whose nodes count how many of them
+pass through; the drafted tree is the best-counted nodes (each at least `MIN_PROBABILITY` of the
+occurrences), no deeper than the match is long, so a long match drafts deep and a one-token match
+one token. No weights, and nothing the target computes: it works on token ids alone.
+
+The corpora are int32 arrays searched with numpy: every occurrence of the last token, then
+narrowed a token further back at a time while any occurrence still matches. The cross-request
+cache (`OutputCache`) keeps whole outputs up to a token limit and forgets the least recently
+used (drafted from, or added) first; a request may keep its output out of it
+(`SpeculationParams.share_output`). What its guesses are worth is learned as n-gram lookup
+learns it (`drafters.ngram.GuessScores`), by kind of match: how long, how many occurrences agree.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from drafters.base import Commit, Draft, Drafter, DraftRequest, Ended, Estimates, Observes
+from drafters.ngram import GUESS_DEPTH, Guess, GuessScores
+from drafters.spec import SUFFIX_CACHE_TOKENS
+from specserve.tree import TokenTree
+
+SEPARATOR = -1  # between cached outputs (and over forgotten ones): no match crosses it
+MAX_MATCH = 32  # tokens of the sequence's end matched at most
+MAX_OCCURRENCES = 32  # latest occurrences of the match whose continuations make the tree
+MIN_PROBABILITY = 0.1  # a drafted node's share of the occurrences at least
+# Kinds of match for scoring guesses: match length (1, 2, 3-4, 5-8, 9-16, 17+) x agreement
+# (one occurrence; several, all followed alike; several that differ).
+LENGTH_BOUNDS = (1, 2, 4, 8, 16)
+AGREEMENT = 3
+
+
+class TokenArray:
+    """A growing int32 token array (appends amortized by doubling), for numpy to search."""
+
+    def __init__(self, capacity: int = 256):
+        self._data = np.empty(capacity, dtype=np.int32)
+        self.size = 0
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._data[: self.size]
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
+        end = self.size + len(tokens)
+        if end > len(self._data):
+            grown = np.empty(max(end, 2 * len(self._data)), dtype=np.int32)
+            grown[: self.size] = self.tokens
+            self._data = grown
+        self._data[self.size : end] = tokens
+        self.size = end
+
+
+@dataclass
+class Match:
+    """Where the sequence's last `length` tokens occurred before: the positions right after each
+    occurrence (oldest first), in `corpus`."""
+
+    length: int
+    after: np.ndarray
+    corpus: np.ndarray
+
+    def continuations(self, depth: int) -> list[list[int]]:
+        """What followed the latest `MAX_OCCURRENCES` occurrences, `depth` tokens each at most
+        (cut at a separator or the corpus's end), oldest first."""
+        starts = self.after[-MAX_OCCURRENCES:]
+        index = starts[:, None] + np.arange(depth)
+        rows = self.corpus[np.minimum(index, len(self.corpus) - 1)]
+        rows[index >= len(self.corpus)] = SEPARATOR
+        out = []
+        for row in rows.tolist():
+            cut = row.index(SEPARATOR) if SEPARATOR in row else depth
+            out.append(row[:cut])
+        return out
+
+
+def longest_match(corpus: np.ndarray, query: Sequence[int], max_match: int = MAX_MATCH) -> Match | None:
+    """The longest suffix of `query` (up to `max_match` tokens) that occurs in `corpus` followed by
+    a token, with every occurrence of it (None: not even the last token occurs)."""
+    if not len(query) or len(corpus) < 2:
+        return None
+    after = np.flatnonzero(corpus[:-1] == query[-1]) + 1
+    after = after[corpus[after] != SEPARATOR]
+    if not len(after):
+        return None
+    length = 1
+    for length in range(1, min(max_match, len(query))):
+        before = after - length - 1
+        keep = before >= 0
+        keep[keep] = corpus[before[keep]] == query[-length - 1]
+        if not keep.any():
+            break
+        after = after[keep]
+    else:
+        length = min(max_match, len(query))
+    return Match(length, after, corpus)
+
+
+class OutputCache:
+    """Recent requests' outputs, searchable as one corpus, at most `max_tokens` tokens of them:
+    the least recently used output (drafted from, or added) is forgotten first."""
+
+    def __init__(self, max_tokens: int = SUFFIX_CACHE_TOKENS):
+        if max_tokens < 0:
+            raise ValueError(f"the suffix cache's size must be >= 0 tokens, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.tokens = 0  # of the outputs kept now
+        self._array = TokenArray()
+        self._outputs: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (start, length), LRU first
+        self._starts: list[int] = []  # every output's start in the array, ascending (forgotten ones too)
+        self._keys: list[int] = []  # and its key
+        self.version = 0  # changes whenever what it holds does
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._outputs
+
+    @property
+    def corpus(self) -> np.ndarray:
+        return self._array.tokens
+
+    def add(self, key: int, tokens: Sequence[int]) -> None:
+        """Keep `tokens` as output `key` (replacing what it held) as the most recently used."""
+        self.forget(key)
+        tokens = list(tokens)[-self.max_tokens :] if self.max_tokens else []
+        if not tokens:
+            return
+        if self._array.size > 2 * self.max_tokens:  # mostly forgotten outputs: pack the kept ones
+            self._compact()
+        start = self._array.size
+        self._array.extend([*tokens, SEPARATOR])
+        self._outputs[key] = (start, len(tokens))
+        self._starts.append(start)
+        self._keys.append(key)
+        self.tokens += len(tokens)
+        self.version += 1
+        while self.tokens > self.max_tokens:
+            self.forget(next(iter(self._outputs)))
+
+    def forget(self, key: int) -> None:
+        place = self._outputs.pop(key, None)
+        if place is not None:
+            start, length = place
+            self._array.tokens[start : start + length] = SEPARATOR  # never matched again
+            self.tokens -= length
+            self.version += 1
+
+    def used(self, positions: np.ndarray) -> None:
+        """The outputs holding these corpus positions were drafted from: the most recently used now."""
+        for position in set(positions.tolist()):
+            key = self._keys[bisect.bisect_right(self._starts, position) - 1]
+            if key in self._outputs:
+                self._outputs.move_to_end(key)
+
+    def _compact(self) -> None:
+        kept = [(key, self._array.tokens[start : start + length].copy()) for key, (start, length) in
+                sorted(self._outputs.items(), key=lambda item: item[1][0])]
+        order = list(self._outputs)
+        self._array, self._starts, self._keys, self._outputs, self.tokens = TokenArray(), [], [], OrderedDict(), 0
+        for key, tokens in kept:
+            self._outputs[key] = (self._array.size, len(tokens))
+            self._starts.append(self._array.size)
+            self._keys.append(key)
+            self._array.extend(tokens)
+            self._array.extend([SEPARATOR])
+            self.tokens += len(tokens)
+        for key in order:  # the same recency as before
+            self._outputs.move_to_end(key)
+        self.version += 1
+
+
+class Trie:
+    """Continuations merged by shared prefixes; each node counts the continuations through it.
+    Node 0 is the root (the sequence's last token); nodes are numbered parents first."""
+
+    def __init__(self, root: int, rows: list[list[int]]):
+        self.token, self.parent, self.depth = [root], [-1], [0]
+        self.count, self.latest = [len(rows)], [len(rows)]  # continuations through it; the latest's index
+        self.children: list[dict[int, int]] = [{}]
+        repeats: dict[tuple[int, ...], tuple[int, int]] = {}  # a continuation -> (times, latest index)
+        for r, row in enumerate(rows):
+            times, _ = repeats.get(tuple(row), (0, 0))
+            repeats[tuple(row)] = (times + 1, r)
+        for row, (times, latest) in repeats.items():  # repetitive text repeats whole continuations
+            node = 0
+            for tok in row:
+                child = self.children[node].get(tok)
+                if child is None:
+                    child = len(self.count)
+                    self.children[node][tok] = child
+                    self.children.append({})
+                    self.token.append(tok)
+                    self.parent.append(node)
+                    self.depth.append(self.depth[node] + 1)
+                    self.count.append(0)
+                    self.latest.append(latest)
+                self.count[child] += times
+                self.latest[child] = max(self.latest[child], latest)
+                node = child
+
+    def _rank(self, node: int) -> tuple[int, int, int]:
+        return -self.count[node], self.depth[node], -self.latest[node]
+
+    def spine(self) -> list[int]:
+        """The path the most continuations follow (ties: the latest's)."""
+        path, node = [], 0
+        while self.children[node]:
+            node = min(self.children[node].values(), key=self._rank)
+            path.append(self.token[node])
+        return path
+
+    def tree(self, budget: int, max_depth: int) -> TokenTree:
+        """Its `budget` best-counted nodes down to `max_depth`, each on at least `MIN_PROBABILITY`
+        of the continuations: a node's count is at most its parent's, so ranking by count (then
+        depth) keeps every parent ahead of its children."""
+        floor = MIN_PROBABILITY * self.count[0]
+        ranked = sorted((n for n in range(1, len(self.count)) if self.count[n] >= floor and self.depth[n] <= max_depth),
+                        key=self._rank)
+        chosen = sorted(ranked[:budget])  # parents first
+        place = {0: 0, **{n: i + 1 for i, n in enumerate(chosen)}}
+        return TokenTree((self.token[0], *(self.token[n] for n in chosen)),
+                         (-1, *(place[self.parent[n]] for n in chosen)))
+
+
+@dataclass
+class Lookup:
+    """A sequence's best match at one length of it, and the trie of what followed."""
+
+    at: int  # the sequence's length
+    version: int  # the cache's then
+    match: Match | None
+    from_cache: bool
+    trie: Trie | None
+
+
+@dataclass
+class _Sequence:
+    """A sequence's tokens, searchable, its open guesses, and its latest lookup."""
+
+    array: TokenArray = field(default_factory=TokenArray)
+    guesses: list[Guess] = field(default_factory=list)  # not yet resolved, oldest first
+    lookup: Lookup | None = None
+
+
+class SuffixDrafter(Drafter, Observes, Estimates):
+    def __init__(self, cache_tokens: int = SUFFIX_CACHE_TOKENS):
+        self.cache = OutputCache(cache_tokens)
+        self.spec = "suffix" if cache_tokens == SUFFIX_CACHE_TOKENS else f"suffix:{cache_tokens}"
+        self._sequences: dict[int, _Sequence] = {}
+        self._scores = GuessScores((len(LENGTH_BOUNDS) + 1) * AGREEMENT)
+
+    # -- the drafter ------------------------------------------------------------------------------
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        return [self._propose(r) for r in requests]
+
+    def observe(self, commit: Commit) -> None:
+        self._update(commit.seq_id, commit.token_ids)
+
+    def ended(self, ended: Ended) -> None:
+        if ended.shared and ended.output_ids:
+            self.cache.add(ended.seq_id, ended.output_ids)
+
+    def release(self, seq_id: int) -> None:
+        sequence = self._sequences.pop(seq_id, None)
+        if sequence is not None:  # guesses still coming true count for the depths they reached
+            for guess in sequence.guesses:
+                self._scores.close(guess)
+
+    def gauges(self) -> dict[str, float]:
+        return {"suffix_cache_tokens": self.cache.tokens, "suffix_cache_outputs": len(self.cache),
+                "suffix_cache_bytes": self.cache.corpus.nbytes,
+                "suffix_sequence_bytes": sum(s.array.tokens.nbytes for s in list(self._sequences.values()))}
+
+    # -- estimates --------------------------------------------------------------------------------
+
+    def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> list[float]:
+        sequence = self._sequences.get(seq_id)
+        if sequence is not None and sequence.array.size == len(token_ids):  # its guess was made at the commit
+            guess = sequence.guesses[-1] if sequence.guesses and sequence.guesses[-1].at == len(token_ids) else None
+        else:  # not observed up to here: the guess it would get, from a throwaway sequence
+            fresh = _Sequence()
+            fresh.array.extend(token_ids)
+            guess = self._guess(self._lookup(fresh, token_ids))
+        if guess is None:
+            return [0.0] * max_depth
+        return self._scores.profile(guess.kind, max_depth)
+
+    def acceptance_bound(self) -> float:
+        return self._scores.best_first()
+
+    # -- inside -----------------------------------------------------------------------------------
+
+    def _update(self, seq_id: int, tokens: Sequence[int]) -> _Sequence:
+        """The sequence's array extended to `tokens`, its guesses scored against what followed them,
+        and its guess for what comes next."""
+        sequence = self._sequences.setdefault(seq_id, _Sequence())
+        if sequence.array.size == len(tokens):
+            return sequence  # this step's guess is made already
+        sequence.array.extend(tokens[sequence.array.size :])
+        sequence.guesses = [g for g in sequence.guesses if not self._scores.score(g, tokens[g.at :])]
+        guess = self._guess(self._lookup(sequence, tokens))
+        if guess is not None:
+            sequence.guesses.append(guess)
+        return sequence
+
+    def _lookup(self, sequence: _Sequence, tokens: Sequence[int]) -> Lookup:
+        """The longer match of the sequence's end, in its own tokens or in the cache (ties: its own),
+        and what followed it: looked up once per length of the sequence and state of the cache."""
+        found = sequence.lookup
+        if found is not None and (found.at, found.version) == (len(tokens), self.cache.version):
+            return found
+        query = tokens[-MAX_MATCH - 1 :]
+        own = longest_match(sequence.array.tokens, query)
+        cached = longest_match(self.cache.corpus, query) if len(self.cache) else None
+        from_cache = cached is not None and (own is None or cached.length > own.length)
+        match = cached if from_cache else own
+        trie = None if match is None else Trie(tokens[-1], match.continuations(match.length))
+        sequence.lookup = Lookup(len(tokens), self.cache.version, match, from_cache, trie)
+        return sequence.lookup
+
+    def _guess(self, lookup: Lookup) -> Guess | None:
+        """The match's most followed continuation, by kind of match (None: no match)."""
+        if lookup.trie is None:
+            return None
+        spine = lookup.trie.spine()[:GUESS_DEPTH]
+        if not spine:
+            return None
+        rows, firsts = lookup.trie.count[0], len(lookup.trie.children[0])
+        agreement = 0 if rows == 1 else (1 if firsts == 1 else 2)
+        kind = bisect.bisect_left(LENGTH_BOUNDS, lookup.match.length) * AGREEMENT + agreement
+        return Guess(kind, lookup.at, spine)
+
+    def _propose(self, request: DraftRequest) -> Draft:
+        tokens = request.token_ids
+        lookup = self._lookup(self._update(request.seq_id, tokens), tokens)
+        if lookup.trie is None or request.tree_budget <= 0 or request.max_depth <= 0:
+            return Draft(TokenTree.single(tokens[-1]))
+        if lookup.from_cache:
+            self.cache.used(lookup.match.after[-MAX_OCCURRENCES:])
+        return Draft(lookup.trie.tree(request.tree_budget, request.max_depth))

@@ -1,0 +1,155 @@
+"""Suffix decoding drafts what followed the sequence's end before, in its own tokens and in recent
+outputs, as a tree ranked by how often each continuation came, no deeper than the match is long."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from drafters import build_drafter, parse_spec
+from drafters.base import Commit, DraftRequest, Ended
+from drafters.spec import SUFFIX_CACHE_TOKENS, DrafterSpec
+from drafters.suffix import MIN_PROBABILITY, OutputCache, SuffixDrafter, longest_match
+
+
+def propose(drafter, tokens, tree_budget=8, max_depth=8, seq_id=0):
+    return drafter.propose([DraftRequest(seq_id, tokens, tree_budget, max_depth)])[0].tree
+
+
+def paths(tree) -> set[tuple[int, ...]]:
+    return {tuple(tree.path_tokens(leaf)[1:]) for leaf in tree.leaves}
+
+
+def test_the_longest_match_finds_every_occurrence_of_the_longest_suffix_seen_before():
+    corpus = np.array([1, 2, 3, 9, 4, 2, 3, 8, 1, 2, 3, 7, 1, 2, 3], dtype=np.int32)
+    match = longest_match(corpus, [5, 1, 2, 3])
+    assert match.length == 3 and match.after.tolist() == [3, 11]  # "1 2 3" before 9 and 7 (not the query)
+    assert longest_match(corpus, [6]) is None
+
+
+def test_a_match_drafts_what_followed_it_no_deeper_than_the_match_is_long():
+    tokens = [7, 1, 2, 3, 4, 5, 9, 6, 2, 3]  # "2 3" was followed by "4 5 9 ..."
+    assert propose(SuffixDrafter(0), tokens).tokens == (3, 4, 5)
+    tokens = [1, 2, 3, 4, 5, 9, 6, 8, 1, 2, 3, 4]  # "1 2 3 4" matched: four tokens deep
+    assert propose(SuffixDrafter(0), tokens).tokens == (4, 5, 9, 6, 8)
+    assert propose(SuffixDrafter(0), tokens, tree_budget=2).tokens == (4, 5, 9)
+
+
+def test_continuations_that_came_more_often_rank_first_and_rare_ones_are_not_drafted():
+    def after_1_2(followers):  # "1 2 t" each time, then a token never seen again (matches stay short)
+        return [x for i, t in enumerate(followers) for x in (1, 2, t, 100 + i)] + [1, 2]
+
+    tree = propose(SuffixDrafter(0), after_1_2([4] * 12 + [6] + [4] * 12), tree_budget=8, max_depth=2)
+    assert tree.tokens == (2, 4) and MIN_PROBABILITY > 1 / 25  # 6 came once in 25
+    tree = propose(SuffixDrafter(0), after_1_2([4, 6, 4, 6, 4]), tree_budget=8, max_depth=1)
+    assert tree.tokens == (2, 4, 6)  # both often enough, the commoner first
+
+
+@pytest.mark.parametrize("tree_budget, max_depth", [(0, 5), (1, 5), (3, 1), (5, 2), (16, 16)])
+def test_budget_and_depth_are_respected(tree_budget, max_depth):
+    rng = random.Random(tree_budget * 31 + max_depth)
+    tokens = [rng.randrange(4) for _ in range(300)]
+    tree = propose(SuffixDrafter(0), tokens, tree_budget, max_depth)
+    assert len(tree) - 1 <= tree_budget and max(tree.depths) <= max_depth
+    assert tree.tokens[0] == tokens[-1]
+    for kids in tree.children:  # no duplicate siblings
+        assert len({tree.tokens[k] for k in kids}) == len(kids)
+
+
+def test_nothing_to_propose_without_a_match():
+    assert propose(SuffixDrafter(), [1, 2, 3, 4]).tokens == (4,)
+
+
+def test_a_sequence_grown_a_few_tokens_at_a_time_drafts_what_a_fresh_one_does():
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(120)]
+    grown = SuffixDrafter(0)
+    length = 2
+    while length < len(tokens):
+        length += rng.choice([1, 2, 3, 9, 13])
+        a, b = propose(grown, tokens[:length], seq_id=1), propose(SuffixDrafter(0), tokens[:length], seq_id=1)
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+
+
+def test_an_ended_output_is_drafted_from_by_later_sequences_unless_kept_out():
+    drafter = SuffixDrafter()
+    output = [40, 41, 42, 43, 44, 45, 46, 47]
+    drafter.ended(Ended(seq_id=1, prompt_ids=[9, 9], output_ids=output))
+    assert propose(drafter, [5, 6, 41, 42, 43], seq_id=2).tokens == (43, 44, 45, 46)  # a 3-token match
+    kept_out = SuffixDrafter()
+    kept_out.ended(Ended(seq_id=1, prompt_ids=[9, 9], output_ids=output, shared=False))
+    assert propose(kept_out, [5, 6, 41, 42, 43], seq_id=2).tokens == (43,)
+    alone = SuffixDrafter(0)  # suffix:0 keeps no outputs
+    alone.ended(Ended(seq_id=1, prompt_ids=[9, 9], output_ids=output))
+    assert propose(alone, [5, 6, 41, 42, 43], seq_id=2).tokens == (43,)
+
+
+def test_the_sequences_own_match_wins_unless_the_cache_matches_longer():
+    drafter = SuffixDrafter()
+    drafter.ended(Ended(1, [], [1, 2, 3, 50, 51, 52]))
+    assert propose(drafter, [2, 3, 60, 61, 1, 2, 3], seq_id=2).tokens == (3, 50, 51, 52)  # 3 tokens vs 2
+    assert propose(drafter, [1, 2, 3, 60, 61, 1, 2, 3], seq_id=3).tokens == (3, 60, 61, 1)  # a tie: its own
+
+
+def test_the_cache_keeps_at_most_its_token_limit_and_forgets_the_least_recently_used():
+    cache = OutputCache(max_tokens=250)
+    for key in range(4):  # 100 tokens each: the first two go
+        cache.add(key, list(range(key * 1000, key * 1000 + 100)))
+        assert cache.tokens <= 250
+    assert [key in cache for key in range(4)] == [False, False, True, True]
+    cache.used(longest_match(cache.corpus, [2050]).after)  # output 2 drafted from: used after output 3
+    cache.add(4, list(range(4000, 4100)))
+    assert [key in cache for key in range(5)] == [False, False, True, False, True]
+    assert longest_match(cache.corpus, [3050]) is None  # forgotten outputs are never matched
+    assert longest_match(cache.corpus, [2050]).length == 1
+
+
+def test_the_cache_packs_itself_and_stays_searchable():
+    cache = OutputCache(max_tokens=64)
+    rng = random.Random(1)
+    for key in range(200):
+        cache.add(key, [rng.randrange(10_000) for _ in range(20)])
+        assert cache.tokens <= 64 and len(cache.corpus) <= 2 * 64 + 2 * 21
+    last = cache.corpus[-21:-1].tolist()
+    match = longest_match(cache.corpus, last[:5])
+    assert match.length == 5 and cache.corpus[match.after[-1]] == last[5]
+    cache.add(7, [1, 2])  # a key kept again replaces what it held
+    cache.add(7, [3, 4])
+    assert cache.tokens <= 64 and longest_match(cache.corpus, [1]) is None
+
+
+def test_guesses_are_scored_so_long_matches_that_agree_are_worth_more():
+    rng = random.Random(0)
+    phrase = list(range(100, 120))
+    tokens = []
+    for _ in range(12):
+        tokens += [rng.randrange(50) for _ in range(30)] + phrase
+    drafter = SuffixDrafter(0)
+    for length in range(1, len(tokens) + 1):
+        drafter.observe(Commit(0, tokens[:length], length - 1, {}))
+    confident = drafter.acceptance_profile(1, [*phrase[:9], 7, *phrase[:9], 8, *phrase[:8]], 4)  # as in the phrase
+    doubtful = drafter.acceptance_profile(2, [7, 8, 9, 7], 4)
+    assert confident[0] > 0.9 and confident[3] > 0.5 and doubtful[0] < 0.5
+    assert all(np.diff(confident) <= 0) and list(drafter.acceptance_profile(3, [1, 2, 3], 2)) == [0, 0]
+
+
+def test_release_forgets_a_sequence_and_gauges_show_what_it_holds():
+    drafter = SuffixDrafter(1000)
+    propose(drafter, [1, 2, 1, 2], seq_id=5)
+    drafter.ended(Ended(5, [1], [2, 3, 4]))
+    drafter.release(5)
+    assert 5 not in drafter._sequences
+    gauges = drafter.gauges()
+    assert gauges["suffix_cache_tokens"] == 3 and gauges["suffix_cache_outputs"] == 1
+    assert gauges["suffix_sequence_bytes"] == 0 and gauges["suffix_cache_bytes"] > 0
+
+
+def test_specs_name_the_cache_size():
+    assert parse_spec("suffix") == [DrafterSpec("suffix")]
+    assert parse_spec(f"suffix:{SUFFIX_CACHE_TOKENS}") == [DrafterSpec("suffix")]
+    assert parse_spec("suffix:0+ngram")[0] == DrafterSpec("suffix", "0")
+    assert build_drafter("suffix:4096").cache.max_tokens == 4096 and build_drafter("suffix").spec == "suffix"
+    with pytest.raises(ValueError, match="suffix:TOKENS"):
+        parse_spec("suffix:lots")
