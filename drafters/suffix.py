@@ -2,11 +2,13 @@
 its own tokens and in recent requests' outputs, as a tree scored by how often each came.
 
 As in SuffixDecoding (Oliaro et al., 2024): the longest suffix of the sequence (up to
-`MAX_MATCH` tokens) found in the sequence itself or in a cache of recent outputs, then the
-continuations of its latest occurrences merged into a trie whose nodes count how many of them
-pass through; the drafted tree is the best-counted nodes (each at least `MIN_PROBABILITY` of the
-occurrences), no deeper than the match is long, so a long match drafts deep and a one-token match
-one token. No weights, and nothing the target computes: it works on token ids alone.
+`MAX_MATCH` tokens) found in the sequence itself, and the longest found in a cache of recent
+outputs; the continuations of each one's latest occurrences, as a distribution per source, mixed
+in proportion to the two match lengths (a request's own prompt knows its values, other requests'
+outputs know the shape of an answer) and merged into a trie whose nodes weigh the continuations
+through them. The drafted tree is the weightiest nodes (each at least `MIN_PROBABILITY` of the
+whole), each continuation no deeper than its match is long, so a long match drafts deep and a
+one-token match one token. No weights to load, and nothing the target computes: token ids alone.
 
 The corpora are int32 arrays searched with numpy: every occurrence of the last token, then
 narrowed a token further back at a time while any occurrence still matches. The cross-request
@@ -182,39 +184,40 @@ class OutputCache:
 
 
 class Trie:
-    """Continuations merged by shared prefixes; each node counts the continuations through it.
-    Node 0 is the root (the sequence's last token); nodes are numbered parents first."""
+    """Continuations merged by shared prefixes, each weighted; a node weighs what the continuations
+    through it do. Node 0 is the root (the sequence's last token); nodes are numbered parents first."""
 
-    def __init__(self, root: int, rows: list[list[int]]):
+    def __init__(self, root: int, rows: list[list[int]], weights: list[float]):
+        self.rows = len(rows)
         self.token, self.parent, self.depth = [root], [-1], [0]
-        self.count, self.latest = [len(rows)], [len(rows)]  # continuations through it; the latest's index
+        self.weight, self.latest = [float(sum(weights))], [len(rows)]  # and the latest continuation's index
         self.children: list[dict[int, int]] = [{}]
-        repeats: dict[tuple[int, ...], tuple[int, int]] = {}  # a continuation -> (times, latest index)
-        for r, row in enumerate(rows):
-            times, _ = repeats.get(tuple(row), (0, 0))
-            repeats[tuple(row)] = (times + 1, r)
-        for row, (times, latest) in repeats.items():  # repetitive text repeats whole continuations
+        merged: dict[tuple[int, ...], tuple[float, int]] = {}  # a continuation -> (weight, latest index)
+        for r, (row, w) in enumerate(zip(rows, weights, strict=True)):
+            weight, _ = merged.get(tuple(row), (0.0, 0))
+            merged[tuple(row)] = (weight + w, r)
+        for row, (weight, latest) in merged.items():  # repetitive text repeats whole continuations
             node = 0
             for tok in row:
                 child = self.children[node].get(tok)
                 if child is None:
-                    child = len(self.count)
+                    child = len(self.weight)
                     self.children[node][tok] = child
                     self.children.append({})
                     self.token.append(tok)
                     self.parent.append(node)
                     self.depth.append(self.depth[node] + 1)
-                    self.count.append(0)
+                    self.weight.append(0.0)
                     self.latest.append(latest)
-                self.count[child] += times
+                self.weight[child] += weight
                 self.latest[child] = max(self.latest[child], latest)
                 node = child
 
-    def _rank(self, node: int) -> tuple[int, int, int]:
-        return -self.count[node], self.depth[node], -self.latest[node]
+    def _rank(self, node: int) -> tuple[float, int, int]:
+        return -self.weight[node], self.depth[node], -self.latest[node]
 
     def spine(self) -> list[int]:
-        """The path the most continuations follow (ties: the latest's)."""
+        """The path the most weight follows (ties: the latest continuation's)."""
         path, node = [], 0
         while self.children[node]:
             node = min(self.children[node].values(), key=self._rank)
@@ -222,12 +225,12 @@ class Trie:
         return path
 
     def tree(self, budget: int, max_depth: int) -> TokenTree:
-        """Its `budget` best-counted nodes down to `max_depth`, each on at least `MIN_PROBABILITY`
-        of the continuations: a node's count is at most its parent's, so ranking by count (then
+        """Its `budget` weightiest nodes down to `max_depth`, each with at least `MIN_PROBABILITY`
+        of the weight: a node weighs at most what its parent does, so ranking by weight (then
         depth) keeps every parent ahead of its children."""
-        floor = MIN_PROBABILITY * self.count[0]
-        ranked = sorted((n for n in range(1, len(self.count)) if self.count[n] >= floor and self.depth[n] <= max_depth),
-                        key=self._rank)
+        floor = MIN_PROBABILITY * self.weight[0] * (1 - 1e-9)
+        ranked = sorted((n for n in range(1, len(self.weight)) if self.weight[n] >= floor
+                         and self.depth[n] <= max_depth), key=self._rank)
         chosen = sorted(ranked[:budget])  # parents first
         place = {0: 0, **{n: i + 1 for i, n in enumerate(chosen)}}
         return TokenTree((self.token[0], *(self.token[n] for n in chosen)),
@@ -236,12 +239,13 @@ class Trie:
 
 @dataclass
 class Lookup:
-    """A sequence's best match at one length of it, and the trie of what followed."""
+    """A sequence's matches at one length of it (in its own tokens, in the cache), and the trie of
+    what followed them."""
 
     at: int  # the sequence's length
     version: int  # the cache's then
-    match: Match | None
-    from_cache: bool
+    length: int  # the longer match's
+    cached: Match | None  # the cache's match, if it joined the trie
     trie: Trie | None
 
 
@@ -317,18 +321,28 @@ class SuffixDrafter(Drafter, Observes, Estimates):
         return sequence
 
     def _lookup(self, sequence: _Sequence, tokens: Sequence[int]) -> Lookup:
-        """The longer match of the sequence's end, in its own tokens or in the cache (ties: its own),
-        and what followed it: looked up once per length of the sequence and state of the cache."""
+        """The longest matches of the sequence's end in its own tokens and in the cache, and what
+        followed them: each source's continuations as one distribution, the two mixed in
+        proportion to their match lengths (a longer match is the likelier to go on alike; a
+        source that matched a tenth as long as the other adds nothing the floor keeps). Looked
+        up once per length of the sequence and state of the cache."""
         found = sequence.lookup
         if found is not None and (found.at, found.version) == (len(tokens), self.cache.version):
             return found
         query = tokens[-MAX_MATCH - 1 :]
         own = longest_match(sequence.array.tokens, query)
         cached = longest_match(self.cache.corpus, query) if len(self.cache) else None
-        from_cache = cached is not None and (own is None or cached.length > own.length)
-        match = cached if from_cache else own
-        trie = None if match is None else Trie(tokens[-1], match.continuations(match.length))
-        sequence.lookup = Lookup(len(tokens), self.cache.version, match, from_cache, trie)
+        matches = [m for m in (own, cached) if m is not None]
+        rows: list[list[int]] = []
+        weights: list[float] = []
+        for match in matches:
+            continuations = match.continuations(match.length)
+            share = match.length / sum(m.length for m in matches) / len(continuations)
+            rows += continuations
+            weights += [share] * len(continuations)
+        trie = Trie(tokens[-1], rows, weights) if rows else None
+        length = max((m.length for m in matches), default=0)
+        sequence.lookup = Lookup(len(tokens), self.cache.version, length, cached, trie)
         return sequence.lookup
 
     def _guess(self, lookup: Lookup) -> Guess | None:
@@ -338,9 +352,9 @@ class SuffixDrafter(Drafter, Observes, Estimates):
         spine = lookup.trie.spine()[:GUESS_DEPTH]
         if not spine:
             return None
-        rows, firsts = lookup.trie.count[0], len(lookup.trie.children[0])
-        agreement = 0 if rows == 1 else (1 if firsts == 1 else 2)
-        kind = bisect.bisect_left(LENGTH_BOUNDS, lookup.match.length) * AGREEMENT + agreement
+        firsts = len(lookup.trie.children[0])
+        agreement = 0 if lookup.trie.rows == 1 else (1 if firsts == 1 else 2)
+        kind = bisect.bisect_left(LENGTH_BOUNDS, lookup.length) * AGREEMENT + agreement
         return Guess(kind, lookup.at, spine)
 
     def _propose(self, request: DraftRequest) -> Draft:
@@ -348,6 +362,6 @@ class SuffixDrafter(Drafter, Observes, Estimates):
         lookup = self._lookup(self._update(request.seq_id, tokens), tokens)
         if lookup.trie is None or request.tree_budget <= 0 or request.max_depth <= 0:
             return Draft(TokenTree.single(tokens[-1]))
-        if lookup.from_cache:
-            self.cache.used(lookup.match.after[-MAX_OCCURRENCES:])
+        if lookup.cached is not None:
+            self.cache.used(lookup.cached.after[-MAX_OCCURRENCES:])
         return Draft(lookup.trie.tree(request.tree_budget, request.max_depth))

@@ -86,11 +86,14 @@ def test_an_ended_output_is_drafted_from_by_later_sequences_unless_kept_out():
     assert propose(alone, [5, 6, 41, 42, 43], seq_id=2).tokens == (43,)
 
 
-def test_the_sequences_own_match_wins_unless_the_cache_matches_longer():
+def test_the_sequence_and_the_cache_are_drafted_from_together_the_longer_match_first():
     drafter = SuffixDrafter()
     drafter.ended(Ended(1, [], [1, 2, 3, 50, 51, 52]))
-    assert propose(drafter, [2, 3, 60, 61, 1, 2, 3], seq_id=2).tokens == (3, 50, 51, 52)  # 3 tokens vs 2
-    assert propose(drafter, [1, 2, 3, 60, 61, 1, 2, 3], seq_id=3).tokens == (3, 60, 61, 1)  # a tie: its own
+    tokens = [2, 3, 60, 61, 1, 2, 3]  # the cache matches 3 tokens, the sequence 2
+    assert paths(propose(drafter, tokens, seq_id=2)) == {(50, 51, 52), (60, 61)}
+    assert propose(drafter, tokens, tree_budget=3, seq_id=2).tokens == (3, 50, 51, 52)  # 3/5 of the weight
+    phrase = [*range(20, 30), 3]  # the sequence matches 11 tokens, the cache 1 ("3"): 1/12 of the weight
+    assert propose(drafter, [*phrase, 40, 41, 42, *phrase], seq_id=3).tokens == (3, 40, 41, 42, *phrase[:5])
 
 
 def test_the_cache_keeps_at_most_its_token_limit_and_forgets_the_least_recently_used():
