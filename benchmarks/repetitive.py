@@ -93,10 +93,10 @@ def workload(requests: int, seed: int = 0) -> list[tuple[str, int | None]]:
 
 
 def run_once(model: Path, configs: dict[str, str | None], order: list[tuple[str, int | None]],
-             max_tokens: int) -> dict[str, dict]:
+             max_tokens: int, max_tree_tokens: int) -> dict[str, dict]:
     """The workload through one fresh engine per configuration, request by request in turn."""
     engines = {name: LLMEngine(model, None, EngineConfig(draft=drafter or "none", enable_prefix_caching=False,
-                                                          kv_cache_memory="512MiB"))
+                                                          kv_cache_memory="512MiB", max_tree_tokens=max_tree_tokens))
                for name, drafter in configs.items()}
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     histories: dict[int, list[dict[str, str]]] = {}
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tree-tokens", type=int, default=8, help="drafted nodes per step at most (the cap)")
     parser.add_argument("--drafters", default="ngram,suffix", help="compared with no speculation, comma-separated")
     parser.add_argument("--out", default=str(RESULTS / "repetitive"))
     args = parser.parse_args()
@@ -140,9 +141,10 @@ def main() -> None:
     model = resolve_model(args.model)
     configs: dict[str, str | None] = {"no-spec": None, **{d: d for d in args.drafters.split(",")}}
     order = workload(args.requests)
-    warm = run_once(model, configs, order[:3], 16)  # loads, builds and calibrates once
+    warm = run_once(model, configs, order[:3], 16, args.max_tree_tokens)  # loads, builds and calibrates once
     del warm
-    runs = [run_once(model, configs, order, args.max_tokens) for _ in tqdm(range(args.repeats), desc="repeats")]
+    runs = [run_once(model, configs, order, args.max_tokens, args.max_tree_tokens)
+            for _ in tqdm(range(args.repeats), desc="repeats")]
     summary = {}
     for name in configs:
         rates = [r[name]["tok_s"] for r in runs]
@@ -159,13 +161,15 @@ def main() -> None:
              str(s["identical_to_no_spec"])] for name, s in summary.items()]
     cpu = processor_name()
     result = {"cpu": cpu, "threads": torch.get_num_threads(), "model": args.model, "requests": args.requests,
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "summary": summary,
+              "max_tokens": args.max_tokens, "max_tree_tokens": args.max_tree_tokens, "repeats": args.repeats,
+              "summary": summary,
               "suffix_vs_ngram": versus, "runs": runs}
     extraction = sum(conversation is None for _, conversation in order)
     caption = (f"Repetitive workload on {args.model} ({cpu}, {torch.get_num_threads()} threads): {args.requests} "
                f"requests in order ({extraction} invoice field extractions, {args.requests - extraction} code-edit "
                f"turns over {len(TASKS)} conversations), batch 1, greedy, at most {args.max_tokens} new tokens, EOS "
-               f"respected, prefix caching off; each configuration on a fresh engine per repeat; medians of "
+               f"respected, prefix caching off, adaptive speculation capped at {args.max_tree_tokens} drafted nodes; "
+               f"each configuration on a fresh engine per repeat; medians of "
                f"{args.repeats} repeats of whole-workload tok/s.")
     if versus is not None:
         caption += f" suffix / ngram: {versus:.2f}x."

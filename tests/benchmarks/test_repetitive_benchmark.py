@@ -1,0 +1,44 @@
+"""benchmarks/repetitive.py's workload: repetitive by design, made here, and nothing of Spec-Bench's."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from repetitive import EDITS, TASKS, workload  # noqa: E402  (benchmarks/repetitive.py)
+
+from specserve.ablation.config import SPEC_BENCH  # noqa: E402
+
+
+def test_the_workload_interleaves_extractions_with_conversations_whose_turns_follow_in_order():
+    order = workload(60)
+    assert len(order) == 60 and order == workload(60)  # fixed by its seed
+    assert sum(conversation is None for _, conversation in order) == 40
+    for c in range(len(TASKS)):
+        turns = [text for text, conversation in order if conversation == c]
+        assert turns and turns == [TASKS[c], *EDITS][: len(turns)]
+    invoices = [text for text, conversation in order if conversation is None]
+    assert len(set(invoices)) == len(invoices) and all("as JSON with the keys" in text for text in invoices)
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+@pytest.mark.skipif(not SPEC_BENCH.exists(), reason="Spec-Bench questions are not in ../shared/data")
+def test_no_request_shares_a_13_gram_with_a_spec_bench_question():
+    grams = set()
+    for line in SPEC_BENCH.read_text().splitlines():
+        if line.strip():
+            for turn in json.loads(line)["turns"]:
+                w = words(turn)
+                grams.update(tuple(w[i : i + 13]) for i in range(len(w) - 12))
+    for text, _ in workload(60):
+        w = words(text)
+        assert not grams & {tuple(w[i : i + 13]) for i in range(len(w) - 12)}, text
