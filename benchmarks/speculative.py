@@ -211,20 +211,24 @@ def part_d(args) -> None:
 def per_category(args, part: str, drafters: list[str], max_tokens: int) -> None:
     """Each drafter against no speculation on the same engine, prompt by prompt (interleaved),
     at batch 1; speed-up and MAT per Spec-Bench category, and their means over categories.
+    A drafter that learns across requests (`suffix`) drafts from the answers to the questions
+    before, and with repeats from its own earlier answers to the same question: measure it with
+    `--repeats 1` (or `suffix:0`, which keeps nothing across requests).
     (Until `d` came, part b ran with prefix caching on, so every configuration after the first
     found its prompt cached: its long-prompt categories, summarization and rag, overstate.)"""
     parts = list(dict.fromkeys(p for d in drafters for p in d.split("+")))  # every part loads at start
     # No prefix caching: every configuration prefills its prompt, as the first one to run it would.
-    engine = LLMEngine(resolve_model(args.model), "bfloat16",
+    engine = LLMEngine(resolve_model(args.model), args.dtype,
                        EngineConfig(draft="+".join(parts), speculation=args.speculation, kv_cache_memory="1GiB",
                                     max_tree_tokens=args.tree_tokens, draft_top_k=args.top_k, draft_beam=args.beam,
                                     enable_prefix_caching=False))
     configs = {"no-spec": {"enabled": False}, **{d: {"drafter": d} for d in drafters}}
-    by_category = {c: [engine.encode(q, chat=True) for q in qs[: args.per_category]]
-                   for c, qs in questions(args.questions).items()}
-    first = next(iter(by_category.values()))[0]
+    asked = questions(args.questions)
+    by_category = {c: [engine.encode(q, chat=True) for q in qs[: args.per_category]] for c, qs in asked.items()}
+    # Warm up on a question not measured: the suffix drafter keeps what it saw for later requests.
+    warm_up = engine.encode(next(qs[-1] for qs in asked.values() if len(qs) > args.per_category), chat=True)
     for spec in configs.values():
-        run(engine, [first], 16, spec)
+        run(engine, [warm_up], 16, spec)
     runs: dict[str, dict[str, list[dict]]] = {c: {name: [] for name in configs} for c in by_category}
     for _ in range(args.repeats):
         for category, prompts in tqdm(by_category.items(), desc=f"({part}) categories", unit="category"):
@@ -257,12 +261,14 @@ def per_category(args, part: str, drafters: list[str], max_tokens: int) -> None:
     header = ["category", "no-spec tok/s"] + [h for name in drafters for h in (f"{name} speed-up", "MAT")]
     result = {"machine": _machine(), "model": args.model, "max_tokens": max_tokens,
               "per_category": args.per_category, "repeats": args.repeats, "speculation": args.speculation,
+              "dtype": str(engine.model.dtype).removeprefix("torch."),
               "tree_tokens": args.tree_tokens, "top_k": args.top_k, "beam": args.beam,
               "summary": summary, "mean_over_categories": means, "identical_to_no_spec": same,
               "agreement_with_no_spec": agreement,
               "engine_metrics": {"draft_s": engine.metrics.draft_s, "target_s": engine.metrics.target_s,
                                  "verify_s": engine.metrics.verify_s}}
-    caption = (f"({part}) {args.model}, bfloat16, {torch.get_num_threads()} threads, batch 1, {max_tokens} new tokens, "
+    caption = (f"({part}) {args.model}, {result['dtype']}, {torch.get_num_threads()} threads, batch 1, "
+               f"{max_tokens} new tokens, "
                f"greedy, Spec-Bench first turns ({args.per_category} per category x {args.repeats}), median per "
                f"category; the mean row averages the categories. Speculation {args.speculation}, cap "
                f"{args.tree_tokens}, model drafters top-k {args.top_k}, beam {args.beam}. Speculative tokens identical "
@@ -356,6 +362,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--early-exit", type=int, default=15)
     parser.add_argument("--per-category", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", help="(b, d) activations; 'auto': the engine's for this CPU")
     parser.add_argument("--max-tokens-b", type=int, default=64)
     parser.add_argument("--max-tokens-d", type=int, default=128)
     parser.add_argument("--drafters-d", default="early-exit:15,early-exit:trained,feature,ngram,feature+ngram",
@@ -372,6 +379,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "speculative"))
     parser.add_argument("--suffix", default="", help="(b, d) appended to the result files' names")
     args = parser.parse_args()
+    args.dtype = None if args.dtype == "auto" else args.dtype
     torch.manual_seed(0)
     parts = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}
     for part in args.parts.split(","):
