@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from drafters.base import Commit, Draft, Drafter, DraftRequest, Estimates, Observes
+from drafters.base import Commit, Draft, Drafter, DraftRequest, Ended, Estimates, Observes
 from specserve.tree import TokenTree
 
 
@@ -43,6 +43,11 @@ class MergedDrafter(Drafter, Observes, Estimates):
         for drafter in self.drafters:
             if isinstance(drafter, Observes):
                 drafter.observe(commit)
+
+    def ended(self, ended: Ended) -> None:
+        for drafter in self.drafters:
+            if isinstance(drafter, Observes):
+                drafter.ended(ended)
 
     def step_cost(self, tree_budget: int) -> float:
         return sum(d.step_cost(tree_budget) for d in self.drafters if isinstance(d, Estimates))

@@ -119,8 +119,8 @@ class ServerMetrics:
                "Verifications that accepted at least position + 1 drafted tokens.",
                [f'{{position="{d}"}} {count}' for d, count in enumerate(spec.accepted_at_depth)])
         gauges: dict[str, list[str]] = {}
-        for (spec, name), value in sorted(engine.drafter_gauges().items()):
-            gauges.setdefault(name, []).append(f'{{drafter="{escape(spec)}"}} {value}')
+        for (drafter, name), value in sorted(engine.drafter_gauges().items()):
+            gauges.setdefault(name, []).append(f'{{drafter="{escape(drafter)}"}} {value}')
         for name, samples in gauges.items():
             metric(f"drafter_{name}", "gauge", "What a loaded drafter holds now (memory it bounds).", samples)
         return "\n".join(lines) + "\n"

@@ -86,6 +86,12 @@ def test_an_ended_output_is_drafted_from_by_later_sequences_unless_kept_out():
     assert propose(alone, [5, 6, 41, 42, 43], seq_id=2).tokens == (43,)
 
 
+def test_a_merge_passes_ended_outputs_on_to_its_suffix_part():
+    merged = build_drafter("ngram+suffix")
+    merged.ended(Ended(seq_id=1, prompt_ids=[9], output_ids=[40, 41, 42, 43]))
+    assert merged.drafters[1].cache.tokens == 4
+
+
 def test_the_sequence_and_the_cache_are_drafted_from_together_the_longer_match_first():
     drafter = SuffixDrafter()
     drafter.ended(Ended(1, [], [1, 2, 3, 50, 51, 52]))
