@@ -141,12 +141,7 @@ class OutputCache:
             return
         if self._array.size > 2 * self.max_tokens:  # mostly forgotten outputs: pack the kept ones
             self._compact()
-        start = self._array.size
-        self._array.extend([*tokens, SEPARATOR])
-        self._outputs[key] = (start, len(tokens))
-        self._starts.append(start)
-        self._keys.append(key)
-        self.tokens += len(tokens)
+        self._append(key, tokens)
         self.version += 1
         while self.tokens > self.max_tokens:
             self.forget(next(iter(self._outputs)))
@@ -166,18 +161,20 @@ class OutputCache:
             if key in self._outputs:
                 self._outputs.move_to_end(key)
 
+    def _append(self, key: int, tokens: Sequence[int]) -> None:
+        self._outputs[key] = (self._array.size, len(tokens))
+        self._starts.append(self._array.size)
+        self._keys.append(key)
+        self._array.extend([*tokens, SEPARATOR])
+        self.tokens += len(tokens)
+
     def _compact(self) -> None:
-        kept = [(key, self._array.tokens[start : start + length].copy()) for key, (start, length) in
+        kept = [(key, self._array.tokens[start : start + length].tolist()) for key, (start, length) in
                 sorted(self._outputs.items(), key=lambda item: item[1][0])]
         order = list(self._outputs)
         self._array, self._starts, self._keys, self._outputs, self.tokens = TokenArray(), [], [], OrderedDict(), 0
         for key, tokens in kept:
-            self._outputs[key] = (self._array.size, len(tokens))
-            self._starts.append(self._array.size)
-            self._keys.append(key)
-            self._array.extend(tokens)
-            self._array.extend([SEPARATOR])
-            self.tokens += len(tokens)
+            self._append(key, tokens)
         for key in order:  # the same recency as before
             self._outputs.move_to_end(key)
         self.version += 1
