@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from report import write_report
 from tqdm import tqdm
 
+from specserve.closed_loop import run_to_completion
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.machine import processor_name
@@ -101,19 +101,13 @@ def run_once(model: Path, configs: dict[str, str | None], order: list[tuple[str,
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     histories: dict[int, list[dict[str, str]]] = {}
     stats = {name: {"seconds": 0.0, "tokens": 0, "spec": SpecStats(), "outputs": []} for name in configs}
-    for k, (text, conversation) in enumerate(tqdm(order, desc="requests", unit="request", leave=False)):
+    for text, conversation in tqdm(order, desc="requests", unit="request", leave=False):
         messages = [*histories.get(conversation, []), {"role": "user", "content": text}]
         answers = {}
         for name, engine in engines.items():
-            prompt = engine.encode_chat(messages)
-            start = time.perf_counter()
-            engine.add_request(f"r{k}", prompt, greedy)
-            final = None
-            while engine.has_unfinished():
-                for out in engine.step():
-                    final = out if out.finished else final
+            (final,), _, seconds = run_to_completion(engine, [engine.encode_chat(messages)], greedy)
             entry = stats[name]
-            entry["seconds"] += time.perf_counter() - start
+            entry["seconds"] += seconds
             entry["tokens"] += len(final.outputs[0].token_ids)
             entry["spec"].add(final.metrics.spec)
             entry["outputs"].append(list(final.outputs[0].token_ids))
@@ -141,8 +135,7 @@ def main() -> None:
     model = resolve_model(args.model)
     configs: dict[str, str | None] = {"no-spec": None, **{d: d for d in args.drafters.split(",")}}
     order = workload(args.requests)
-    warm = run_once(model, configs, order[:3], 16, args.max_tree_tokens)  # loads, builds and calibrates once
-    del warm
+    run_once(model, configs, order[:3], 16, args.max_tree_tokens)  # loads, builds and calibrates once
     runs = [run_once(model, configs, order, args.max_tokens, args.max_tree_tokens)
             for _ in tqdm(range(args.repeats), desc="repeats")]
     summary = {}
