@@ -112,6 +112,12 @@ def kernel_case(batch: int, context: int, nodes: int, heads: int, head_dim: int,
             "sdpa_chain_flash_us": flash * 1e6, "kv_bytes": kv_bytes}
 
 
+def record(rows: list[dict], row: dict) -> None:
+    """Keeps a measured row and prints it at once: a run cut short still shows what it measured."""
+    rows.append(row)
+    tqdm.write(json.dumps(row), file=sys.stdout)
+
+
 class Deadline:
     """The run's time budget: sections stop starting new cases once it has passed (and say so)."""
 
@@ -138,7 +144,7 @@ def kernel_rows(device: torch.device, smoke: bool, deadline: Deadline) -> tuple[
             continue
         row = kernel_case(batch, context, nodes, heads, head_dim, device, dtype, generator)
         row["kv_share_of_copy"] = row["kv_bytes"] / (row["ours_us"] * 1e-6) / bandwidth
-        rows.append(row)
+        record(rows, row)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -175,7 +181,10 @@ def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool, de
     length, out = (8, 16) if smoke else (128, 128)
     vocab = ModelConfig.from_dir(target).vocab_size
     work = prompts(max(batches), length, vocab)
+    started = time.perf_counter()
     llm = build_engine(target, draft, device, smoke, max(batches), "30GiB", enforce_eager)
+    tqdm.write(f"engine built in {time.perf_counter() - started:.1f} s (CUDA graphs captured unless eager)",
+               file=sys.stdout)
 
     def params(spec: SpeculationParams) -> SamplingParams:
         return SamplingParams(max_tokens=out, temperature=0, ignore_eos=True, speculation=spec)
@@ -197,7 +206,7 @@ def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool, de
             if deadline.over(f"engine batch {batch} {name}"):
                 continue
             rate, counters = throughput(llm, work[:batch], params(spec))
-            rows.append({"batch": batch, "config": name, "tok_s": rate, **counters})
+            record(rows, {"batch": batch, "config": name, "tok_s": rate, **counters})
     del llm
     _free(device)
     if not enforce_eager and not deadline.over("engine without CUDA graphs"):  # what the graphs bring
@@ -205,14 +214,14 @@ def engine_rows(target: Path, draft: Path, device: torch.device, smoke: bool, de
         throughput(llm, work[:2], params(configs["none"]))
         for batch in batches[:2]:
             rate, counters = throughput(llm, work[:batch], params(configs["none"]))
-            rows.append({"batch": batch, "config": "none, eager (no CUDA graphs)", "tok_s": rate, **counters})
+            record(rows, {"batch": batch, "config": "none, eager (no CUDA graphs)", "tok_s": rate, **counters})
         del llm
         _free(device)
     for batch in tqdm(batches, desc="transformers"):
         if deadline.over(f"transformers batch {batch}"):
             continue
-        rows.append({"batch": batch, "config": "transformers static cache",
-                     "tok_s": transformers_rate(target, work[:batch], out, device)})
+        record(rows, {"batch": batch, "config": "transformers static cache",
+                      "tok_s": transformers_rate(target, work[:batch], out, device)})
     return rows
 
 
