@@ -403,7 +403,7 @@ def _compact_kv_kernel(
     move *wrote*: compaction moves each accepted node down to a lower slot (dst < src and
     destinations increase), which this order keeps safe.
     """
-    base = cache_ptr + tl.program_id(0) * stride_lead
+    base = cache_ptr + tl.program_id(0).to(tl.int64) * stride_lead  # a whole cache's layers pass 2**31 elements
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < ROW
     for i in range(num_moves):

@@ -231,6 +231,21 @@ def test_compaction_matches_reference_across_requests_and_layers():
     assert len(src) > 3 and torch.equal(cache, expected)
 
 
+@pytest.mark.cuda
+def test_compaction_reaches_layers_beyond_2_31_elements_of_the_cache():
+    """A served model's whole cache (all layers in one tensor) passes 2**31 elements: a layer's
+    offset must not wrap around in 32-bit arithmetic (7 GB of GPU memory)."""
+    layers, block_size, row = 3, 16, 64
+    blocks = (2**31 // (block_size * row)) // 2 + 1  # layer 2 starts past 2**31 elements
+    cache = torch.empty(layers, blocks, block_size, 1, row, dtype=torch.bfloat16, device=DEVICE)
+    flat = cache.view(layers, blocks * block_size, row)
+    src, dst = [blocks * block_size - 5, blocks * block_size - 3], [7, 8]
+    moved = torch.randn(layers, 2, row, device=DEVICE).to(torch.bfloat16)
+    flat[:, src] = moved
+    triton_kernels.compact_kv(cache, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE))
+    assert torch.equal(flat[:, dst], moved)
+
+
 # -- dispatch ------------------------------------------------------------------------------
 
 

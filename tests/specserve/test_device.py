@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from specserve.detokenizer import synthetic_tokenizer
 from specserve.llm import LLM
 from specserve.models.config import ModelConfig
-from specserve.sampling import SamplingParams
+from specserve.sampling import SamplingParams, SpeculationParams
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9], [3, 4, 5], list(range(20, 60))]
 
@@ -31,3 +32,24 @@ def test_the_engine_on_a_gpu_generates_the_cpus_greedy_tokens(tiny_checkpoint, d
     on_cpu = greedy(path, "cpu", draft, graphs=False)
     assert greedy(path, "cuda", draft, graphs=False) == on_cpu
     assert greedy(path, "cuda", draft, graphs=True) == on_cpu
+
+
+@pytest.mark.cuda
+def test_trees_verified_over_a_cache_of_more_than_2_31_elements_keep_the_greedy_output(tmp_path):
+    """A served cache holds all layers in one tensor, past 2**31 elements: the accepted nodes of
+    trees compacted in its last layers land where they belong (10 GiB of GPU memory)."""
+    directory = tmp_path / "tiny"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 400, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024, "bos_token_id": 1,
+        "eos_token_id": 2}))
+    llm = LLM(str(directory), draft="replay:0.8", load_format="dummy", device="cuda", dtype="bfloat16",
+              kv_cache_memory="10GiB", speculation="fixed", max_tree_tokens=8)
+    assert llm.engine.runner.kv_cache.k.numel() > 2**31
+    prompts = [[3 + i, 40 + 7 * i, 90 + i] for i in range(8)]
+    tree = SpeculationParams(drafter="replay:0.8", tree="tree", top_k=4)
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, speculation=tree)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]  # records them
+    replayed = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert replayed == plain and llm.engine.metrics.spec.accepted_tokens > 100
