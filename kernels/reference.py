@@ -86,7 +86,8 @@ def _padded_attention(
         queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.additive_key_mask(q.dtype, group, aligned),
         scale=scale,
     )
-    out = out.view(batch, num_heads, max_n, head_dim).transpose(1, 2).reshape(batch * max_n, num_heads, head_dim)
+    # (reshape: CUDA's SDPA may return [batch, kv heads, group x nodes, d] in another memory order)
+    out = out.reshape(batch, num_heads, max_n, head_dim).transpose(1, 2).reshape(batch * max_n, num_heads, head_dim)
     return out if meta.is_rectangular else out[meta.padded_index]
 
 
