@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from drafters.base import Commit, DraftRequest
-from drafters.merge import MergedDrafter, tree_paths
 from drafters.ngram import NgramDrafter
 
 
@@ -72,17 +71,6 @@ def test_release_forgets_a_sequence():
     propose(drafter, [1, 2, 1, 2], seq_id=5)
     drafter.release(5)
     assert 5 not in drafter._indexes
-
-
-def test_merge_keeps_the_first_tree_whole_and_dedupes():
-    tokens = [1, 2, 3, 1, 2, 4, 1, 2]
-    merged = MergedDrafter([NgramDrafter(), NgramDrafter(max_ngram=1)])
-    tree = merged.propose([DraftRequest(0, tokens, 6, 3)])[0].tree
-    first = propose(NgramDrafter(), tokens, 6, 3)
-    assert set(map(tuple, tree_paths(first))) <= {tuple(tree.path_tokens(i)[1:]) for i in range(len(tree))}
-    for kids in tree.children:  # no duplicate siblings
-        assert len({tree.tokens[k] for k in kids}) == len(kids)
-    assert merged.spec == "ngram+ngram"
 
 
 def test_small_budgets_go_to_the_best_matchs_chain():

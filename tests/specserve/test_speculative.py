@@ -74,6 +74,7 @@ DRAFTERS = {  # every kind of drafter, and a merge of two (model drafters grow s
                         draft_quantization="int8"),
     "early-exit": dict(draft="early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
     "merged": dict(draft="ngram+early-exit:10", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
+    "merged-lookups": dict(draft="ngram+suffix"),
     # the heads shipped for SmolLM2 (drafters/trained/), trained on its bf16 states: served here in fp32
     "feature-head": dict(draft="feature", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
     "early-exit-head": dict(draft="early-exit:trained", draft_top_k=2, draft_beam=2, max_tree_tokens=6),
@@ -246,7 +247,8 @@ def plain_counts(path, case: str) -> torch.Tensor:
     return _plain_counts[case]
 
 
-@pytest.mark.parametrize(("drafter", "case"), [("ngram", "T=1"), ("ngram", "top_p=0.8"), ("suffix", "T=1")])
+@pytest.mark.parametrize(("drafter", "case"), [("ngram", "T=1"), ("ngram", "top_p=0.8"), ("suffix", "T=1"),
+                                              ("ngram+suffix", "T=1")])
 def test_sampled_speculation_has_the_same_distribution(small_vocab_model, drafter, case, chi_square_two_sample):
     speculative, engine = first_three(small_vocab_model, drafter, SAMPLING[case], 20_000)
     spec = engine.metrics.spec
