@@ -213,7 +213,10 @@ def per_category(args, part: str, drafters: list[str], max_tokens: int) -> None:
     at batch 1; speed-up and MAT per Spec-Bench category, and their means over categories.
     A drafter that learns across requests (`suffix`) drafts from the answers to the questions
     before, and with repeats from its own earlier answers to the same question: measure it with
-    `--repeats 1` (or `suffix:0`, which keeps nothing across requests).
+    `--repeats 1` (or `suffix:0`, which keeps nothing across requests). All configurations that
+    hold a suffix part share one cache, so a question's answer enters it only from the last of
+    them to run that question (`share_output`): each drafts from the same earlier answers, never
+    from another configuration's answer to the question it is answering.
     (Until `d` came, part b ran with prefix caching on, so every configuration after the first
     found its prompt cached: its long-prompt categories, summarization and rag, overstate.)"""
     parts = list(dict.fromkeys(p for d in drafters for p in d.split("+")))  # every part loads at start
@@ -230,11 +233,13 @@ def per_category(args, part: str, drafters: list[str], max_tokens: int) -> None:
     for spec in configs.values():
         run(engine, [warm_up], 16, spec)
     runs: dict[str, dict[str, list[dict]]] = {c: {name: [] for name in configs} for c in by_category}
+    sharing = [name for name in configs if "suffix" in name][-1:]
     for _ in range(args.repeats):
         for category, prompts in tqdm(by_category.items(), desc=f"({part}) categories", unit="category"):
             for prompt in prompts:
                 for name, spec in configs.items():
-                    runs[category][name].append(run(engine, [prompt], max_tokens, spec))
+                    shares = {"share_output": name in sharing} if "suffix" in name else {}
+                    runs[category][name].append(run(engine, [prompt], max_tokens, {**spec, **shares}))
     summary, rows = {}, []
     for category, by_config in runs.items():
         plain = median([r["tok_s"] for r in by_config["no-spec"]])

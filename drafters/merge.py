@@ -84,6 +84,19 @@ class MergedDrafter(Drafter, Observes, Estimates):
             if isinstance(drafter, Observes):
                 drafter.ended(ended)
 
+    def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> list[float] | None:
+        """At least what its surest part's guess is worth (that part's paths lead the merged tree);
+        None where a part has no estimate (the policy then goes by measured acceptance)."""
+        profiles = [d.acceptance_profile(seq_id, token_ids, max_depth) if isinstance(d, Estimates) else None
+                    for d in self.drafters]
+        if any(p is None for p in profiles):
+            return None
+        return [max(values) for values in zip(*profiles, strict=True)]
+
+    def acceptance_bound(self) -> float | None:
+        bounds = [d.acceptance_bound() if isinstance(d, Estimates) else None for d in self.drafters]
+        return None if None in bounds else max(bounds)
+
     def step_cost(self, tree_budget: int) -> float:
         return sum(d.step_cost(tree_budget) for d in self.drafters if isinstance(d, Estimates))
 

@@ -104,3 +104,13 @@ def test_merged_paths_share_prefixes_and_keep_within_budget_and_depth():
     for kids in tree.children:  # no duplicate siblings
         assert len({tree.tokens[k] for k in kids}) == len(kids)
     assert merged.spec == "ngram+ngram"
+
+
+def test_what_a_merge_is_worth_is_at_least_its_surest_parts_guess():
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2]
+    parts = [NgramDrafter(), NgramDrafter(max_ngram=1)]
+    merged = MergedDrafter(parts)
+    profiles = [p.acceptance_profile(0, tokens, 3) for p in parts]
+    assert merged.acceptance_profile(0, tokens, 3) == [max(a, b) for a, b in zip(*profiles, strict=True)]
+    assert merged.acceptance_bound() == max(p.acceptance_bound() for p in parts)
+    assert MergedDrafter([NgramDrafter(), Fixed(A)]).acceptance_profile(0, tokens, 3) is None  # a part with none
