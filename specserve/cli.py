@@ -169,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPTeacher-style JSON of instructions (repeatable; default: the shared GPTeacher files)")
     p.add_argument("--out", required=True, help="directory for head.json + head.safetensors")
     p.add_argument("--samples", type=int, default=None, help="instructions the target answers (default 1200)")
+    p.add_argument("--self-instruct", type=int, default=None, metavar="N",
+                   help="also N user prompts the target writes itself across topics (Magpie), filtered and "
+                        "answered too (default 0)")
+    p.add_argument("--spec-bench", default=None, metavar="JSONL",
+                   help="Spec-Bench's questions: self-written prompts sharing 13 words with one are dropped "
+                        "(default: the shared data folder's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per answer (default 256)")
     p.add_argument("--temperature", type=float, default=None, help="of the target's answers (default 0: greedy)")
     p.add_argument("--epochs", type=int, default=None, help="default 4")
@@ -219,12 +225,13 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
         return {k: v for k, v in values.items() if v is not None}
 
     generation = GenerationSettings(**given(samples=args.samples, max_new_tokens=args.max_new_tokens,
-                                            temperature=args.temperature, seed=args.seed))
+                                            temperature=args.temperature, seed=args.seed,
+                                            self_instruct=args.self_instruct))
     settings = TrainSettings(kind=args.kind, layer=args.layers, **given(
         epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
         seed=args.seed))
     config = train_drafter(args.target, Path(args.out), settings, generation, args.data, args.dtype,
-                           device=args.device)
+                           device=args.device, **given(spec_bench=args.spec_bench and Path(args.spec_bench)))
     training = config.training
     print(f"[{config.kind} head for {config.target}: validation top-1 agreement {training['val_agreement']:.1%} "
           f"(untrained {training['epochs'][0]['val_agreement']:.1%}), {training['wall_seconds']:.0f} s; "

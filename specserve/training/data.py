@@ -39,11 +39,13 @@ class GenerationSettings:
     max_prompt_tokens: int = 384  # longer prompts are skipped
     temperature: float = 0.0  # 0: greedy, the answers the served target gives
     seed: int = 0
+    self_instruct: int = 0  # prompts the target writes itself, answered too (`specserve.training.self_instruct`)
 
     def key(self, files: Sequence[Path], target: str) -> str:
-        """Answers are cached per instruction of one shuffled order, so asking for more samples
-        later extends the same cache: `samples` is not part of the key."""
-        settings = {k: v for k, v in asdict(self).items() if k != "samples"}
+        """Answers are cached per instruction of one shuffled order (and self-written prompts in
+        the order written), so asking for more later extends the same caches: the counts are not
+        part of the key."""
+        settings = {k: v for k, v in asdict(self).items() if k not in ("samples", "self_instruct")}
         text = json.dumps([settings, [Path(f).name for f in files], target], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

@@ -1,6 +1,8 @@
 """`specserve train-drafter`: self-distil a drafter head for a target on this machine.
 
-    answers   the target answers GPTeacher instructions (greedy, batched, resumable)
+    prompts   with --self-instruct N: the target writes N user prompts of its own across topics
+              (Magpie; filtered, none sharing 13 words with Spec-Bench; resumable)
+    answers   the target answers GPTeacher instructions and those prompts (greedy, batched, resumable)
     states    one forward over every answer records the target's hidden states
     vocab     the draft vocabulary: the answers' most frequent tokens
     train     the head learns the target's next-token distribution over that vocabulary
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.heads import HEAD_KINDS, HeadConfig, save_head, target_fingerprint
+from specserve.ablation.config import SPEC_BENCH  # evaluation only: self-written prompts are checked against it
 from specserve.training.data import (
     DEFAULT_DATA,
     Features,
@@ -34,6 +37,7 @@ from specserve.training.data import (
     load_instructions,
 )
 from specserve.training.heads import TrainableHead
+from specserve.training.self_instruct import write_prompts
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
@@ -90,11 +94,12 @@ class TrainingData:
     files: list[Path]
     answers: int
     generate_seconds: float
+    prompts: dict  # where the answered prompts came from: counts by source (and topic, for self-written ones)
 
 
 def prepare_data(target: str, settings: TrainSettings, generation: GenerationSettings,
                  data: Sequence[Path] | None = None, dtype: str = "bfloat16", work_dir: Path | None = None,
-                 progress: bool = True, device: str = "auto") -> TrainingData:
+                 progress: bool = True, device: str = "auto", spec_bench: Path = SPEC_BENCH) -> TrainingData:
     """Generate (or reuse) the target's answers and extract (or reuse) its hidden states."""
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
@@ -121,29 +126,37 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
     key = generation.key(files, name)
     instructions = load_instructions(files, generation.samples, generation.seed)
     examples = generate(engine, instructions, generation, work / f"answers-{key}.jsonl", progress=progress)
+    prompts: dict = {"gpteacher": len(instructions)}
+    if generation.self_instruct:
+        written, prompts["self_instruct"] = write_prompts(engine, generation.self_instruct,
+                                                          work / f"prompts-{key}.jsonl", spec_bench, generation.seed,
+                                                          progress=progress)
+        examples += generate(engine, [c.text for c in written], generation, work / f"answers-self-{key}.jsonl",
+                             progress=progress)
     if len(examples) < 2:
         raise ValueError(f"only {len(examples)} usable answers: raise --samples")
     generated = time.perf_counter()
     layers = sorted({head_layer, model.config.num_layers})
-    states_file = work / f"states-{key}-{len(examples)}-{model.dtype}-{'-'.join(map(str, layers))}.safetensors"
+    counts = f"{generation.samples}-{generation.self_instruct}-{len(examples)}"
+    states_file = work / f"states-{key}-{counts}-{model.dtype}-{'-'.join(map(str, layers))}.safetensors"
     if states_file.exists():
         features = Features.load(states_file)
     else:
         features = extract(model, examples, layers, progress=progress)
         features.save(states_file)
     return TrainingData(model, Path(model_dir), engine, features, layer, head_layer, files, len(examples),
-                        generated - started)
+                        generated - started, prompts)
 
 
 def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
                   generation: GenerationSettings | None = None, data: Sequence[Path] | None = None,
                   dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True,
-                  device: str = "auto") -> HeadConfig:
+                  device: str = "auto", spec_bench: Path = SPEC_BENCH) -> HeadConfig:
     """Generate (or reuse) the data, train a head, save it to `out`; returns its config."""
     settings, generation = settings or TrainSettings(), generation or GenerationSettings()
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
-    prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress, device)
+    prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress, device, spec_bench)
     model, features = prepared.model, prepared.features
     train_ids, val_ids = features.split(settings.validation, settings.seed)
     vocab_ids, coverage = draft_vocabulary(features, train_ids, settings.draft_vocab, model.config)
@@ -156,7 +169,7 @@ def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
         layer=prepared.head_layer, vocab_size=len(vocab_ids),
         training={
             "settings": asdict(settings), "generation": asdict(generation),
-            "data": [f.name for f in prepared.files], "answers": prepared.answers,
+            "data": [f.name for f in prepared.files], "prompts": prepared.prompts, "answers": prepared.answers,
             "train_tokens": int(sum(_answer_rows(features, i) for i in train_ids)),
             "draft_vocab_coverage": coverage, "epochs": [asdict(h) for h in history],
             "val_agreement": history[-1].val_agreement, "generate_seconds": round(prepared.generate_seconds, 1),

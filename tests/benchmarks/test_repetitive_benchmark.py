@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import re
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from repetitive import EDITS, TASKS, workload  # noqa: E402  (benchmarks/repetitive.py)
 
 from specserve.ablation.config import SPEC_BENCH  # noqa: E402
+from specserve.training.self_instruct import CONTAMINATION_WORDS, evaluation_grams, word_grams  # noqa: E402
 
 
 def test_the_workload_interleaves_extractions_with_conversations_whose_turns_follow_in_order():
@@ -27,18 +26,8 @@ def test_the_workload_interleaves_extractions_with_conversations_whose_turns_fol
     assert len(set(invoices)) == len(invoices) and all("as JSON with the keys" in text for text in invoices)
 
 
-def words(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
-
-
 @pytest.mark.skipif(not SPEC_BENCH.exists(), reason="Spec-Bench questions are not in ../shared/data")
 def test_no_request_shares_a_13_gram_with_a_spec_bench_question():
-    grams = set()
-    for line in SPEC_BENCH.read_text().splitlines():
-        if line.strip():
-            for turn in json.loads(line)["turns"]:
-                w = words(turn)
-                grams.update(tuple(w[i : i + 13]) for i in range(len(w) - 12))
+    forbidden = evaluation_grams(SPEC_BENCH)
     for text, _ in workload(60):
-        w = words(text)
-        assert not grams & {tuple(w[i : i + 13]) for i in range(len(w) - 12)}, text
+        assert not word_grams(text, CONTAMINATION_WORDS) & forbidden, text

@@ -1,0 +1,198 @@
+"""Training prompts the target writes itself (Magpie, Xu et al. 2024).
+
+A chat model given only the opening of a user turn in its own template (the system turn, then
+the user's header) goes on to write what a user would ask. A system turn naming a topic steers
+it across writing, coding, math, reasoning, extraction, translation, summarization and questions,
+and several sampling temperatures vary it further. What it writes is kept unless it is unfinished
+(the turn never ended), too short, a near-duplicate of a kept prompt, or shares a 13-word run
+with a Spec-Bench question (the evaluation set: never trained on). Every candidate and its verdict
+is appended to a JSONL file at once, so an interrupted run resumes and a larger count extends it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+TOPICS: dict[str, str] = {
+    "writing": "creative and professional writing: stories, poems, emails, essays, speeches and product copy",
+    "coding": "programming: writing, explaining, fixing and reviewing code in Python, JavaScript, SQL, C++ and "
+              "shell scripts",
+    "math": "mathematics: arithmetic, algebra, geometry, probability, statistics and word problems",
+    "reasoning": "logic puzzles, riddles, planning and questions that need careful step-by-step reasoning",
+    "extraction": "pulling names, dates, amounts and other fields out of a text, a table or a record the user "
+                  "pastes into the message",
+    "translation": "translating sentences and short texts between English, French, German, Spanish, Chinese and "
+                   "Japanese",
+    "summarization": "summarizing articles, reports, meeting notes and conversations the user pastes into the "
+                     "message",
+    "questions": "factual questions on science, history, geography, health, law and everyday life",
+}
+TEMPERATURES = (0.8, 1.0, 1.2)
+CONTAMINATION_WORDS = 13  # a prompt sharing a run of this many words with an evaluation question is dropped
+SHINGLE_WORDS = 3
+NEAR_DUPLICATE = 0.5  # Jaccard similarity of word 3-grams at which a prompt repeats a kept one
+MIN_WORDS = 4
+MAX_PROMPT_TOKENS = 160  # what the target may write for one user turn
+
+
+@dataclass
+class Candidate:
+    """One user turn the target wrote, and whether it was kept (`why`: the reason it was not)."""
+
+    index: int
+    topic: str
+    temperature: float
+    text: str
+    why: str = ""
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def word_grams(text: str, n: int) -> set[tuple[str, ...]]:
+    w = words(text)
+    return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+
+
+def evaluation_grams(spec_bench: Path) -> set[tuple[str, ...]]:
+    """Every 13-word run of every turn of the Spec-Bench questions (JSONL with `turns`)."""
+    if not spec_bench.exists():
+        raise FileNotFoundError(f"{spec_bench} not found: self-written prompts are checked against Spec-Bench's "
+                                f"questions for shared 13-word runs; pass their JSONL with --spec-bench PATH")
+    grams: set[tuple[str, ...]] = set()
+    for line in spec_bench.read_text().splitlines():
+        if line.strip():
+            for turn in json.loads(line)["turns"]:
+                grams |= word_grams(turn, CONTAMINATION_WORDS)
+    return grams
+
+
+class NearDuplicates:
+    """Kept texts' word 3-grams, indexed: is a new text too like one of them?"""
+
+    def __init__(self) -> None:
+        self._shingles: list[set[tuple[str, ...]]] = []
+        self._holding: dict[tuple[str, ...], list[int]] = {}  # shingle -> kept texts that have it
+
+    def seen(self, text: str) -> bool:
+        shingles = word_grams(text, SHINGLE_WORDS) or {tuple(words(text))}
+        shared = Counter(k for s in shingles for k in self._holding.get(s, ()))
+        return any(n / len(shingles | self._shingles[k]) >= NEAR_DUPLICATE for k, n in shared.items())
+
+    def add(self, text: str) -> None:
+        shingles = word_grams(text, SHINGLE_WORDS) or {tuple(words(text))}
+        for s in shingles:
+            self._holding.setdefault(s, []).append(len(self._shingles))
+        self._shingles.append(shingles)
+
+
+def pre_query(tokenizer, topic: str) -> str:
+    """The chat template's text up to where a user's message begins, after a system turn naming
+    the topic: cut at a marker put in the user's place."""
+    marker = "\u0000MESSAGE\u0000"
+    system = (f"You are a helpful AI assistant. Users come to you for {TOPICS[topic]}; they write what they "
+              f"need in their own words.")
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": marker}],
+                                         tokenize=False)
+    if marker not in text:
+        raise ValueError("the chat template does not show the user's message as given: it cannot open a user turn")
+    return text[: text.index(marker)]
+
+
+def plan(index: int) -> tuple[str, float]:
+    """Candidate `index`'s topic and temperature: topics in turn, each at every temperature in turn."""
+    names = list(TOPICS)
+    return names[index % len(names)], TEMPERATURES[index // len(names) % len(TEMPERATURES)]
+
+
+def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: int = 0,
+                  max_in_flight: int = 128, progress: bool = True) -> tuple[list[Candidate], dict]:
+    """`count` prompts the target wrote and that passed the filters, in order, and the counts of
+    what was kept (by topic) and dropped (by reason)."""
+    from specserve.closed_loop import ClosedLoop
+    from specserve.sampling import SamplingParams
+
+    candidates = _load(cache_file)
+    forbidden = evaluation_grams(spec_bench)
+    kept = NearDuplicates()
+    for c in candidates:
+        if not c.why:
+            kept.add(c.text)
+    openings = {topic: engine.tokenizer.encode(pre_query(engine.tokenizer, topic), add_special_tokens=False)
+                for topic in TOPICS}
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with cache_file.open("a") as sink, tqdm(total=count, initial=min(count, _kept(candidates)),
+                                            desc="write prompts", unit="prompt", disable=not progress) as bar:
+        while _kept(candidates) < count:
+            start = len(candidates)
+            # More candidates than still needed: some are dropped (a few rounds at most).
+            batch = [plan(i) for i in range(start, start + max(16, 2 * (count - _kept(candidates))))]
+            params = [SamplingParams(temperature=temperature, top_p=0.95, seed=seed * 1_000_003 + start + k,
+                                     max_tokens=MAX_PROMPT_TOKENS) for k, (_, temperature) in enumerate(batch)]
+            loop = ClosedLoop(engine, [openings[topic] for topic, _ in batch], lambda k, params=params: params[k],
+                              concurrency=max_in_flight)
+            written: dict[int, Candidate] = {}
+            while not loop.done:
+                loop.step()
+                for out in loop.finished:
+                    k = loop.number(out)
+                    completion = out.outputs[0]
+                    candidate = Candidate(start + k, batch[k][0], batch[k][1], completion.text.strip())
+                    candidate.why = _verdict(candidate.text, completion.finish_reason, forbidden, kept)
+                    if not candidate.why:
+                        kept.add(candidate.text)
+                        bar.update()
+                    written[k] = candidate
+                loop.finished.clear()
+            for k in sorted(written):  # in index order: a resumed run sees what an uninterrupted one did
+                candidates.append(written[k])
+                sink.write(json.dumps(asdict(written[k])) + "\n")
+            sink.flush()
+    chosen = [c for c in candidates if not c.why][:count]
+    last = chosen[-1].index if chosen else -1
+    considered = [c for c in candidates if c.index <= last]
+    stats = {"prompts": len(chosen), "candidates": len(considered), "temperatures": list(TEMPERATURES),
+             "topics": dict(Counter(c.topic for c in chosen)),
+             "dropped": dict(Counter(c.why for c in considered if c.why))}
+    return chosen, stats
+
+
+def _verdict(text: str, finish_reason: str | None, forbidden: set, kept: NearDuplicates) -> str:
+    """Why a written prompt is dropped ("": kept)."""
+    if finish_reason == "length":
+        return "unfinished"
+    if len(words(text)) < MIN_WORDS:
+        return "too short"
+    if word_grams(text, CONTAMINATION_WORDS) & forbidden:
+        return "shares 13 words with Spec-Bench"
+    if kept.seen(text):
+        return "near-duplicate"
+    return ""
+
+
+def _kept(candidates: Iterable[Candidate]) -> int:
+    return sum(1 for c in candidates if not c.why)
+
+
+def _load(cache_file: Path) -> list[Candidate]:
+    if not cache_file.exists():
+        return []
+    candidates = [Candidate(**json.loads(line)) for line in cache_file.read_text().splitlines() if line.strip()]
+    return _contiguous(candidates)
+
+
+def _contiguous(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The run of candidates 0, 1, 2, ... (a write cut short mid-batch leaves the rest to redo)."""
+    by_index = {c.index: c for c in candidates}
+    run = []
+    while len(run) in by_index:
+        run.append(by_index[len(run)])
+    return run

@@ -1,0 +1,94 @@
+"""Prompts the target writes itself (Magpie): the opening of a user turn, filters that keep
+Spec-Bench out and duplicates down, and a cache that resumes and extends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.detokenizer import synthetic_tokenizer
+from specserve.models.config import ModelConfig
+from specserve.training.self_instruct import (
+    TEMPERATURES,
+    TOPICS,
+    Candidate,
+    NearDuplicates,
+    _contiguous,
+    _verdict,
+    evaluation_grams,
+    plan,
+    pre_query,
+    write_prompts,
+)
+
+QUESTION = ("Imagine you are a park ranger in a national park and describe the three most important rules "
+            "every visitor should follow during the summer season")
+
+
+@pytest.fixture
+def spec_bench(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "roleplay", "turns": [QUESTION, "Shorter now."]}) + "\n")
+    return path
+
+
+def test_a_prompt_sharing_13_words_with_an_evaluation_question_is_dropped(spec_bench):
+    forbidden = evaluation_grams(spec_bench)
+    copied = "Please help: " + " ".join(QUESTION.split()[5:18]) + ", thanks."  # 13 of its words in a row
+    assert _verdict(copied, "stop", forbidden, NearDuplicates()) == "shares 13 words with Spec-Bench"
+    twelve = "Please help: " + " ".join(QUESTION.split()[5:17]) + ", thanks."
+    assert _verdict(twelve, "stop", forbidden, NearDuplicates()) == ""
+
+
+def test_unfinished_short_and_near_duplicate_prompts_are_dropped(spec_bench):
+    forbidden, kept = evaluation_grams(spec_bench), NearDuplicates()
+    first = "Can you write a Python function that reverses a linked list in place?"
+    kept.add(first)
+    assert _verdict("Can you write a Python function that reverses a linked list?", "stop", forbidden, kept) \
+        == "near-duplicate"
+    assert _verdict("Translate 'good morning' into French and German, please.", "stop", forbidden, kept) == ""
+    assert _verdict("Hello there", "stop", forbidden, kept) == "too short"
+    assert _verdict("A long message that never ends its turn and", "length", forbidden, kept) == "unfinished"
+
+
+def test_without_the_evaluation_questions_it_refuses_and_says_how_to_give_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--spec-bench"):
+        evaluation_grams(tmp_path / "missing.jsonl")
+
+
+def test_the_opening_is_the_template_up_to_the_users_message_after_a_system_turn_naming_the_topic():
+    config = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 300, "hidden_size": 16, "intermediate_size": 32,
+                                    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                    "bos_token_id": 1, "eos_token_id": 2})
+    opening = pre_query(synthetic_tokenizer(config), "coding")
+    assert opening.startswith("<|system|>") and opening.endswith("<|user|>") and "Python" in opening
+
+
+def test_topics_take_turns_and_each_comes_at_every_temperature():
+    seen = [plan(i) for i in range(len(TOPICS) * len(TEMPERATURES))]
+    assert len(set(seen)) == len(seen) and [t for t, _ in seen[: len(TOPICS)]] == list(TOPICS)
+
+
+def test_a_cache_cut_mid_batch_keeps_only_its_unbroken_start():
+    written = [Candidate(i, "math", 1.0, f"text {i}") for i in (0, 1, 2, 4)]
+    assert [c.index for c in _contiguous(written)] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_written_prompts_resume_from_their_cache_and_extend_it(smollm2_path, spec_bench, tmp_path):
+    from specserve.config import EngineConfig
+    from specserve.engine import LLMEngine
+
+    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", quantization="none",
+                                                             kv_cache_memory="256MiB"))
+    cache = tmp_path / "prompts.jsonl"
+    first, stats = write_prompts(engine, 6, cache, spec_bench, progress=False)
+    assert len(first) == 6 == stats["prompts"] == sum(stats["topics"].values())
+    assert stats["candidates"] == 6 + sum(stats["dropped"].values())
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join(lines[: len(lines) // 2]) + "\n")  # interrupted
+    again, _ = write_prompts(engine, 6, cache, spec_bench, progress=False)
+    assert [c.text for c in again] == [c.text for c in first]  # seeded per candidate: the same prompts
+    more, _ = write_prompts(engine, 9, cache, spec_bench, progress=False)
+    assert [c.text for c in more[:6]] == [c.text for c in first] and len(more) == 9
