@@ -294,7 +294,7 @@ def part_c(args) -> None:
     # Two identical engines, one per configuration, stepped in turn (`side_by_side`): runs back
     # to back, seconds apart, measured this VM's drift (no-spec alone varied 2x between runs)
     # more than speculation.
-    engines = {name: LLMEngine(resolve_model(args.model), "bfloat16", config) for name in configs}
+    engines = {name: LLMEngine(resolve_model(args.model), args.dtype, config) for name in configs}
     # Round-robin over the categories. Each of the c closed-loop clients sends request after
     # request: steady state, c always in flight, until each engine generated as many tokens as
     # `--requests-per-client` requests per client make (at least `--requests-c` requests); with
@@ -311,6 +311,7 @@ def part_c(args) -> None:
             for name, result in side_by_side(engines, order, pool[: workload[c]], args.max_tokens_b, c,
                                              tokens, args.length_spread).items():
                 runs[c][name].append(result)
+    dtype = str(engines["no-spec"].model.dtype).removeprefix("torch.")
     summary, rows = {}, []
     for c, by_config in runs.items():
         plain = median([r["tok_s"] for r in by_config["no-spec"]])
@@ -326,7 +327,7 @@ def part_c(args) -> None:
         rows.append([str(c), f"{plain:.1f}", f"{spec:.1f}", f"{median(ratios):.2f}x",
                      f"{min(ratios):.2f}-{max(ratios):.2f}", str(drafted), "-" if not mats else f"{median(mats):.2f}"])
     result = {"machine": _machine(), "model": args.model, "draft": args.draft_c, "max_tokens": args.max_tokens_b,
-              "length_spread": args.length_spread,
+              "length_spread": args.length_spread, "dtype": dtype,
               "requests": workload, "drain": args.drain, "repeats": args.repeats, "speculation": args.speculation,
               "summary": summary}
     load = ("send exactly these, run to completion (drain included)" if args.drain else
@@ -334,7 +335,7 @@ def part_c(args) -> None:
     lengths = (f"{args.max_tokens_b} new tokens per request" if not args.length_spread else
                f"{args.max_tokens_b} +- {args.length_spread:.0%} new tokens per request (uniform, the same per "
                f"request number for both engines)")
-    caption = (f"(c) {args.model}, bfloat16, {lengths}; c clients in a closed loop "
+    caption = (f"(c) {args.model}, {dtype}, {lengths}; c clients in a closed loop "
                f"and max({args.requests_per_client}c, {args.requests_c}) Spec-Bench questions (round-robin over "
                f"categories): {load}; `{args.draft_c}` with {args.speculation} tree budgets (cap {args.tree_tokens}) "
                f"vs no speculation on two identical engines stepped in turn, each timed by its own steps; "
@@ -367,7 +368,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--early-exit", type=int, default=15)
     parser.add_argument("--per-category", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16", help="(b, d) activations; 'auto': the engine's for this CPU")
+    parser.add_argument("--dtype", default="bfloat16", help="(b, c, d) activations; 'auto': the engine's for this CPU")
     parser.add_argument("--max-tokens-b", type=int, default=64)
     parser.add_argument("--max-tokens-d", type=int, default=128)
     parser.add_argument("--drafters-d", default="early-exit:15,early-exit:trained,feature,ngram,feature+ngram",

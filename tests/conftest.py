@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,26 @@ def tiny_checkpoint(tmp_path):
         return save_tiny_checkpoint(tmp_path / f"tiny-{next(counter)}", model_type, seed, **overrides)
 
     return make
+
+
+DUMMY_LLAMA = {"model_type": "llama", "vocab_size": 400, "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def dummy_model_dir(directory: Path, **overrides) -> Path:
+    """A model directory of nothing but a small Llama's config.json (`overrides` change it),
+    served with `load_format="dummy"`: random weights, a synthetic tokenizer."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**DUMMY_LLAMA, **overrides}))
+    return directory
+
+
+@pytest.fixture
+def dummy_model(tmp_path):
+    """Factory: `dummy_model(**config_overrides)` -> a new `dummy_model_dir`."""
+    counter = iter(range(1000))
+    return lambda **overrides: dummy_model_dir(tmp_path / f"dummy-{next(counter)}", **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ is appended to a JSONL file at once, so an interrupted run resumes and a larger 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections import Counter
@@ -111,6 +112,12 @@ def plan(index: int) -> tuple[str, float]:
     """Candidate `index`'s topic and temperature: topics in turn, each at every temperature in turn."""
     names = list(TOPICS)
     return names[index % len(names)], TEMPERATURES[index // len(names) % len(TEMPERATURES)]
+
+
+def cache_name(target: str, seed: int) -> str:
+    """The prompts' cache file for a target and seed, keyed by everything that makes them."""
+    recipe = [target, seed, TOPICS, TEMPERATURES, MAX_PROMPT_TOKENS, MIN_WORDS, NEAR_DUPLICATE, CONTAMINATION_WORDS]
+    return f"prompts-{hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:12]}.jsonl"
 
 
 def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: int = 0,

@@ -37,7 +37,7 @@ from specserve.training.data import (
     load_instructions,
 )
 from specserve.training.heads import TrainableHead
-from specserve.training.self_instruct import write_prompts
+from specserve.training.self_instruct import cache_name, write_prompts
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
@@ -128,11 +128,11 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
     examples = generate(engine, instructions, generation, work / f"answers-{key}.jsonl", progress=progress)
     prompts: dict = {"gpteacher": len(instructions)}
     if generation.self_instruct:
-        written, prompts["self_instruct"] = write_prompts(engine, generation.self_instruct,
-                                                          work / f"prompts-{key}.jsonl", spec_bench, generation.seed,
-                                                          progress=progress)
-        examples += generate(engine, [c.text for c in written], generation, work / f"answers-self-{key}.jsonl",
-                             progress=progress)
+        written_file = work / cache_name(name, generation.seed)
+        written, prompts["self_instruct"] = write_prompts(engine, generation.self_instruct, written_file, spec_bench,
+                                                          generation.seed, progress=progress)
+        answers_file = work / f"answers-{key}-{written_file.stem}.jsonl"  # answers by index: to these prompts only
+        examples += generate(engine, [c.text for c in written], generation, answers_file, progress=progress)
     if len(examples) < 2:
         raise ValueError(f"only {len(examples)} usable answers: raise --samples")
     generated = time.perf_counter()

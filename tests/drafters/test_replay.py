@@ -3,8 +3,6 @@ so speculation's system cost can be measured at a chosen acceptance, on any weig
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from drafters import build_drafter, parse_spec
@@ -73,16 +71,11 @@ def test_trees_add_leaf_siblings_of_which_at_most_one_per_level_is_the_true_toke
             assert all(not tree.children[n] for n in nodes[1:])  # siblings are leaves; the spine goes on
 
 
-def test_continuations_recorded_from_a_run_replay_at_the_set_acceptance_with_unchanged_outputs(tmp_path):
+def test_continuations_recorded_from_a_run_replay_at_the_set_acceptance_with_unchanged_outputs(dummy_model):
     """The first pass knows nothing, so it is a run without speculation (no drafted token); the
     second replays it: the same tokens, and per drafted token an acceptance within 0.03 of ALPHA
     over more than 2,000 drafted tokens."""
-    directory = tmp_path / "tiny"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 400, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "bos_token_id": 1,
-        "eos_token_id": 2}))
+    directory = dummy_model()
     prompts = [[3 + i, 40 + 7 * i, 90 + i] for i in range(12)]
     greedy = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     for alpha in (0.6, 0.8):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -35,17 +34,12 @@ def test_the_engine_on_a_gpu_generates_the_cpus_greedy_tokens(tiny_checkpoint, d
 
 
 @pytest.mark.cuda
-def test_trees_verified_over_a_cache_of_more_than_2_31_elements_keep_the_greedy_output(tmp_path):
+def test_trees_verified_over_a_cache_of_more_than_2_31_elements_keep_the_greedy_output(dummy_model):
     """A served cache holds all layers in one tensor, past 2**31 elements: the accepted nodes of
     trees compacted in its last layers land where they belong (20 GiB of GPU memory). In fp32: in
     bf16, verification's wider matrix products round differently from decodes', which can flip a
     near-tie of a random model's logits."""
-    directory = tmp_path / "tiny"
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 400, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024, "bos_token_id": 1,
-        "eos_token_id": 2}))
+    directory = dummy_model(num_hidden_layers=8, num_key_value_heads=4)
     llm = LLM(str(directory), draft="replay:0.8", load_format="dummy", device="cuda", dtype="float32",
               kv_cache_memory="20GiB", speculation="fixed", max_tree_tokens=8)
     assert llm.engine.runner.kv_cache.k.numel() > 2**31

@@ -16,6 +16,7 @@ from specserve.training.self_instruct import (
     NearDuplicates,
     _contiguous,
     _verdict,
+    cache_name,
     evaluation_grams,
     plan,
     pre_query,
@@ -92,3 +93,8 @@ def test_written_prompts_resume_from_their_cache_and_extend_it(smollm2_path, spe
     assert [c.text for c in again] == [c.text for c in first]  # seeded per candidate: the same prompts
     more, _ = write_prompts(engine, 9, cache, spec_bench, progress=False)
     assert [c.text for c in more[:6]] == [c.text for c in first] and len(more) == 9
+
+
+def test_each_target_and_seed_writes_its_own_prompts_cache():
+    names = {cache_name(target, seed) for target in ("a", "b") for seed in (0, 1)}
+    assert len(names) == 4 and cache_name("a", 0) == cache_name("a", 0)
