@@ -76,7 +76,10 @@ def spec_bench_features(prepared, per_category: int, max_tokens: int, path: Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--samples", type=int, default=3000, help="answers generated (the shipped head's data)")
+    parser.add_argument("--samples", type=int, default=3000,
+                        help="GPTeacher answers generated (the shipped head's data)")
+    parser.add_argument("--self-instruct", type=int, default=0,
+                        help="answers to prompts the target writes itself, added (`train-drafter --self-instruct`)")
     parser.add_argument("--fractions", default="0.125,0.25,0.5,1")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--top-k", type=int, default=4)
@@ -89,7 +92,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     settings = TrainSettings(kind="feature", epochs=args.epochs)
-    prepared = prepare_data(args.model, settings, GenerationSettings(samples=args.samples))
+    prepared = prepare_data(args.model, settings, GenerationSettings(samples=args.samples,
+                                                                     self_instruct=args.self_instruct))
     features, final = prepared.features, prepared.model.config.num_layers
     train_ids, val_ids = features.split(settings.validation, settings.seed)
     bench = spec_bench_features(prepared, args.per_category, args.max_tokens, args.questions)
@@ -151,7 +155,8 @@ def main() -> None:
         "machine": processor_name(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "model": args.model, "samples": args.samples, "settings": vars(args) | {
             "questions": str(args.questions)},
-        "train_settings": settings.__dict__, "spec_bench_answers": len(bench), "runs": runs,
+        "train_settings": settings.__dict__, "prompts": prepared.prompts, "spec_bench_answers": len(bench),
+        "runs": runs,
         "shipped": shipped_run,
         "fit": {"slope_per_doubling": slope, "intercept": intercept, "tokens_for_mat": needed,
                 "mat": args.mat},
@@ -170,11 +175,14 @@ def main() -> None:
         f" Fit: Spec-Bench depth-1 top-{args.top_k} agreement gains {slope:.1%} per doubling of the training "
         f"tokens; a MAT bound of {args.mat} would need about {needed:,.0f} tokens, "
         f"{needed / runs[-1]['train_tokens']:.0f}x the largest run's.")
-    caption = (f"Feature heads for {args.model} on growing shares of {args.samples} self-distilled GPTeacher answers "
+    data = f"{args.samples} self-distilled GPTeacher answers" + (
+        f" and {args.self_instruct} to prompts it wrote itself (self-instruct)" if args.self_instruct else "")
+    caption = (f"Feature heads for {args.model} on growing shares of {data} "
                f"({args.epochs} epoch(s), training-time test {settings.unroll} passes, bf16 autocast, "
-               f"{torch.get_num_threads()} threads), and the shipped head (same data, more epochs). Agreement with "
+               f"{torch.get_num_threads()} threads), and the shipped head (3000 GPTeacher answers, more epochs). "
+               f"Agreement with "
                f"the target's next token by drafting depth "
-               f"(1/2/3), teacher-forced, on held-out GPTeacher answers (val) and on the target's answers to "
+               f"(1/2/3), teacher-forced, on held-out training answers (val) and on the target's answers to "
                f"{len(bench)} Spec-Bench first turns ({args.per_category} per category, evaluation only). MAT bound: "
                f"1 + a1 + a1 a2 + ... to depth {args.cap} from the top-{args.top_k} rates: no top-"
                f"{args.top_k} tree of that depth should accept more on average (teacher-forced rates).{extrapolation}")

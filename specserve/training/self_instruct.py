@@ -41,6 +41,7 @@ SHINGLE_WORDS = 3
 NEAR_DUPLICATE = 0.5  # Jaccard similarity of word 3-grams at which a prompt repeats a kept one
 MIN_WORDS = 4
 MAX_PROMPT_TOKENS = 160  # what the target may write for one user turn
+MAX_CANDIDATES_PER_PROMPT = 20  # a target that keeps fewer than one in this many writes no useful prompts
 
 
 @dataclass
@@ -140,6 +141,10 @@ def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: 
                                             desc="write prompts", unit="prompt", disable=not progress) as bar:
         while _kept(candidates) < count:
             start = len(candidates)
+            if start >= MAX_CANDIDATES_PER_PROMPT * count:
+                dropped = Counter(c.why for c in candidates if c.why).most_common(3)
+                raise RuntimeError(f"the target kept {_kept(candidates)} of {start} prompts it wrote (dropped: "
+                                   f"{dropped}): it does not write usable user turns; train on --data instead")
             # More candidates than still needed: some are dropped (a few rounds at most).
             batch = [plan(i) for i in range(start, start + max(16, 2 * (count - _kept(candidates))))]
             params = [SamplingParams(temperature=temperature, top_p=0.95, seed=seed * 1_000_003 + start + k,

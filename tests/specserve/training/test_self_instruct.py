@@ -98,3 +98,19 @@ def test_written_prompts_resume_from_their_cache_and_extend_it(smollm2_path, spe
 def test_each_target_and_seed_writes_its_own_prompts_cache():
     names = {cache_name(target, seed) for target in ("a", "b") for seed in (0, 1)}
     assert len(names) == 4 and cache_name("a", 0) == cache_name("a", 0)
+
+
+def test_a_target_that_writes_nothing_usable_is_stopped_with_a_message(dummy_model, spec_bench, tmp_path,
+                                                                         monkeypatch):
+    from specserve.config import EngineConfig
+    from specserve.engine import LLMEngine
+    from specserve.training import self_instruct
+
+    monkeypatch.setattr(self_instruct, "MAX_PROMPT_TOKENS", 24)  # CI time: turns cut short are unfinished too
+    monkeypatch.setattr(self_instruct, "MAX_CANDIDATES_PER_PROMPT", 8)
+
+    # random weights over 50,000 tokens: its "user turns" almost never reach their end token
+    engine = LLMEngine(dummy_model(vocab_size=50_000), "float32",
+                       EngineConfig(load_format="dummy", speculation="off", kv_cache_memory="64MiB"))
+    with pytest.raises(RuntimeError, match="does not write usable user turns"):
+        write_prompts(engine, 2, tmp_path / "prompts.jsonl", spec_bench, progress=False)
