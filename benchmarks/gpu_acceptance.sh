@@ -5,6 +5,8 @@
 # Logs and results go to $OUT (the device tool's folder; /tmp/gpu-acceptance elsewhere).
 #
 #     bash benchmarks/gpu_acceptance.sh            # about 10 minutes on an H100/H200
+#
+# Needs pytest-xdist (the lent GPU machines' image has it; WORKERS=0 runs the tests in one process).
 set -u
 OUT=${OUT:-/tmp/gpu-acceptance}
 mkdir -p "$OUT/kernel" "$OUT/engine"
@@ -22,7 +24,7 @@ $PYTHON -c "import kernels.native as n; n.load(); print('cpu kernels', n.isa())"
 # SIGINT at the time limit: pytest still prints its failures. One tuning config per kernel: the
 # tests check results, and tuning every shape's six configs made them outrun the limit.
 SPECSERVE_TRITON_AUTOTUNE=0 timeout -s INT "${TESTS_S:-200}" $PYTHON -m pytest -q -p no:randomly \
-  -p no:cacheprovider -n "${WORKERS:-12}" --tb=short \
+  -p no:cacheprovider $([ "${WORKERS:-12}" != 0 ] && echo "-n ${WORKERS:-12}") --tb=short \
   tests/kernels/test_tree_attention.py tests/kernels/test_metadata.py tests/specserve/test_cuda_graphs.py \
   tests/specserve/test_device.py 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -60
 echo "tests: exit ${PIPESTATUS[0]}"
