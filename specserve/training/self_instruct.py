@@ -84,13 +84,18 @@ class NearDuplicates:
         self._shingles: list[set[tuple[str, ...]]] = []
         self._holding: dict[tuple[str, ...], list[int]] = {}  # shingle -> kept texts that have it
 
+    @staticmethod
+    def shingles(text: str) -> set[tuple[str, ...]]:
+        """Its word 3-grams (a text shorter than that: its words as one shingle)."""
+        return word_grams(text, SHINGLE_WORDS) or {tuple(words(text))}
+
     def seen(self, text: str) -> bool:
-        shingles = word_grams(text, SHINGLE_WORDS) or {tuple(words(text))}
+        shingles = self.shingles(text)
         shared = Counter(k for s in shingles for k in self._holding.get(s, ()))
         return any(n / len(shingles | self._shingles[k]) >= NEAR_DUPLICATE for k, n in shared.items())
 
     def add(self, text: str) -> None:
-        shingles = word_grams(text, SHINGLE_WORDS) or {tuple(words(text))}
+        shingles = self.shingles(text)
         for s in shingles:
             self._holding.setdefault(s, []).append(len(self._shingles))
         self._shingles.append(shingles)
