@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's dtype while generating and recording its states (serve in the same)")
     p.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda "
                                                     "or cuda:N: where the target generates and the head trains")
+    p.add_argument("--budget-minutes", type=float, default=None, metavar="M",
+                   help="stop after about M minutes, all work so far saved, and exit with status 75; the same "
+                        "command then goes on where it stopped (default: no limit)")
     p.set_defaults(func=_cmd_train_drafter)
 
     p = sub.add_parser("ablate", help="compare draft configurations on a live engine: tables and plots")
@@ -217,7 +220,11 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+BUDGET_SPENT_STATUS = 75  # EX_TEMPFAIL: not done yet, run again
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from specserve.training.budget import Budget, BudgetSpent
     from specserve.training.data import GenerationSettings
     from specserve.training.train import TrainSettings, train_drafter
 
@@ -230,8 +237,14 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     settings = TrainSettings(kind=args.kind, layer=args.layers, **given(
         epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
         seed=args.seed))
-    config = train_drafter(args.target, Path(args.out), settings, generation, args.data, args.dtype,
-                           device=args.device, **given(spec_bench=args.spec_bench and Path(args.spec_bench)))
+    budget = Budget(None if args.budget_minutes is None else args.budget_minutes * 60)
+    try:
+        config = train_drafter(args.target, Path(args.out), settings, generation, args.data, args.dtype,
+                               device=args.device, budget=budget,
+                               **given(spec_bench=args.spec_bench and Path(args.spec_bench)))
+    except BudgetSpent as e:
+        print(f"[train-drafter: {e}]", file=sys.stderr)
+        return BUDGET_SPENT_STATUS
     training = config.training
     print(f"[{config.kind} head for {config.target}: validation top-1 agreement {training['val_agreement']:.1%} "
           f"(untrained {training['epochs'][0]['val_agreement']:.1%}), {training['wall_seconds']:.0f} s; "

@@ -61,8 +61,13 @@ class ClosedLoop:
                     self._submit()
         self.busy_s += time.perf_counter() - start
         if self.target is not None and self.generated >= self.target:
-            self.aborted += [out for rid in sorted(self._running) if (out := self.engine.abort(rid))]
-            self._running.clear()
+            self.stop()
+
+    def stop(self) -> None:
+        """Abort the requests still running (their blocks freed, their outputs in `aborted`): the
+        loop is done, as no request of it is left to finish and send the next."""
+        self.aborted += [out for rid in sorted(self._running) if (out := self.engine.abort(rid))]
+        self._running.clear()
 
     def number(self, output: RequestOutput) -> int:
         """Which request `output` is (0, 1, ...; request k ran prompt k mod len(prompts))."""

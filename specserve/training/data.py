@@ -6,7 +6,8 @@
 2. `extract`: one prefill forward over every (prompt + answer) records, per token, the
    final-normed hidden state (what the LM head reads: the feature head's input and target,
    and the teacher's logits through the LM head) and, for an early-exit head after layer K,
-   the residual stream entering layer K.
+   the residual stream entering layer K. `extract_saved` saves them in shards of examples as it
+   goes, so that stage resumes too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,9 +27,11 @@ from tqdm import tqdm
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.models.llama import LlamaForCausalLM
+from specserve.training.budget import Budget
 from specserve.tree import TokenTree
 
 DEFAULT_DATA = ("gpteacher_roleplay.json", "gpteacher_toolformer.json")
+STATE_SHARD_EXAMPLES = 256  # answers whose states are saved together (what a stopped run redoes at most)
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,10 @@ def load_instructions(files: Sequence[Path], samples: int, seed: int) -> list[st
 
 
 def generate(engine, instructions: Sequence[str], settings: GenerationSettings, cache_file: Path,
-             max_in_flight: int = 128, progress: bool = True) -> list[Example]:
-    """The target's answers to `instructions` (chat template), resuming from `cache_file`."""
+             max_in_flight: int = 128, progress: bool = True, budget: Budget | None = None) -> list[Example]:
+    """The target's answers to `instructions` (chat template), resuming from `cache_file`; stops
+    (`BudgetSpent`, the answers so far saved) when `budget` runs out."""
+    budget = budget or Budget()
     from specserve.closed_loop import ClosedLoop
     from specserve.sampling import SamplingParams
 
@@ -110,6 +116,9 @@ def generate(engine, instructions: Sequence[str], settings: GenerationSettings, 
             for out in loop.finished:
                 record(kept[loop.number(out)], Example(list(out.prompt_token_ids), list(out.outputs[0].token_ids)))
             loop.finished.clear()
+            if budget.spent and not loop.done:
+                loop.stop()  # the unfinished answers are not saved: a resumed run asks for them again
+                budget.check("answers", f"{len(done)} of {len(instructions)} answered")
     return [done[i] for i in range(len(instructions)) if done[i].output_ids]
 
 
@@ -138,6 +147,17 @@ class Features:
         hidden = {int(name.split(".")[1]): t for name, t in tensors.items() if name.startswith("hidden.")}
         return cls(tensors["tokens"], tensors["offsets"], tensors["prompt_lens"], hidden)
 
+    @classmethod
+    def join(cls, parts: Sequence[Features]) -> Features:
+        """The examples of `parts`, in order, as one."""
+        lengths = torch.cat([p.offsets.diff() for p in parts])
+        return cls(
+            tokens=torch.cat([p.tokens for p in parts]),
+            offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+            prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+            hidden={k: torch.cat([p.hidden[k] for p in parts]) for k in parts[0].hidden},
+        )
+
     def split(self, validation: float, seed: int) -> tuple[list[int], list[int]]:
         """Example indices for training and validation (at least one each when there are two)."""
         order = list(range(len(self)))
@@ -146,10 +166,42 @@ class Features:
         return order[count:], order[:count]
 
 
+def extract_saved(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Sequence[int], path: Path,
+                  budget: Budget | None = None, shard: int | None = None, progress: bool = True) -> Features:
+    """`extract` saved to `path`, through shards of `shard` examples (STATE_SHARD_EXAMPLES) kept
+    beside it until all are done: a run stopped by `budget` (`BudgetSpent`) resumes at its first
+    missing shard. Shards start at fixed examples, so a resumed run batches every forward as an
+    uninterrupted one."""
+    if path.exists():
+        return Features.load(path)
+    budget, shard = budget or Budget(), shard or STATE_SHARD_EXAMPLES
+    shards = path.with_name(path.name + ".shards")
+    starts = range(0, len(examples), shard)
+    done = [start for start in starts if (shards / f"{start:08d}.safetensors").exists()]
+    parts: list[Features] = []
+    with tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states", unit="tok",
+              disable=not progress) as bar:
+        for start in starts:
+            part_file = shards / f"{start:08d}.safetensors"
+            if start in done:
+                parts.append(Features.load(part_file))
+                bar.update(sum(len(e.token_ids) for e in examples[start: start + shard]))
+                continue
+            budget.check("states", f"{start} of {len(examples)} answers recorded")
+            part = extract(model, examples[start: start + shard], hidden_at, bar=bar)
+            part.save(part_file)
+            parts.append(part)
+    features = Features.join(parts)
+    features.save(path)
+    shutil.rmtree(shards)
+    return features
+
+
 @torch.inference_mode()
 def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Sequence[int],
-            tokens_per_forward: int = 2048, progress: bool = True) -> Features:
-    """The target's hidden states over every example, several examples per prefill forward."""
+            tokens_per_forward: int = 2048, progress: bool = True, bar: tqdm | None = None) -> Features:
+    """The target's hidden states over every example, several examples per prefill forward
+    (progress on `bar` where given, else a bar of its own)."""
     block_size = 16
     budget = max(tokens_per_forward, max(len(e.token_ids) for e in examples))
     pool = -(-budget // block_size) + 64  # a forward's examples each waste under a block
@@ -174,8 +226,10 @@ def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Seq
                 rows[k].append(state.clone() if state.device.type == "cpu" else state.cpu())
         batch.clear()
 
-    with tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states", unit="tok",
-              disable=not progress) as bar:
+    own = bar is None
+    bar = bar if bar is not None else tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states",
+                                           unit="tok", disable=not progress)
+    try:
         for e in examples:
             if batch and (sum(len(b.token_ids) for b in batch) + len(e.token_ids) > budget
                           or sum(blocks(b) for b in batch) + blocks(e) > pool):
@@ -184,6 +238,9 @@ def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Seq
             bar.update(len(e.token_ids))
         if batch:
             flush()
+    finally:
+        if own:
+            bar.close()
     lengths = torch.tensor([len(e.token_ids) for e in examples], dtype=torch.int64)
     return Features(
         tokens=torch.tensor([t for e in examples for t in e.token_ids], dtype=torch.int64),

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specserve.training.budget import Budget
+
 TOPICS: dict[str, str] = {
     "writing": "creative and professional writing: stories, poems, emails, essays, speeches and product copy",
     "coding": "programming: writing, explaining, fixing and reviewing code in Python, JavaScript, SQL, C++ and "
@@ -127,9 +129,12 @@ def cache_name(target: str, seed: int) -> str:
 
 
 def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: int = 0,
-                  max_in_flight: int = 128, progress: bool = True) -> tuple[list[Candidate], dict]:
+                  max_in_flight: int = 128, progress: bool = True,
+                  budget: Budget | None = None) -> tuple[list[Candidate], dict]:
     """`count` prompts the target wrote and that passed the filters, in order, and the counts of
-    what was kept (by topic) and dropped (by reason)."""
+    what was kept (by topic) and dropped (by reason). Stops (`BudgetSpent`, what was written
+    saved) when `budget` runs out."""
+    budget = budget or Budget()
     from specserve.closed_loop import ClosedLoop
     from specserve.sampling import SamplingParams
 
@@ -169,10 +174,18 @@ def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: 
                         bar.update()
                     written[k] = candidate
                 loop.finished.clear()
-            for k in sorted(written):  # in index order: a resumed run sees what an uninterrupted one did
+                if budget.spent:
+                    loop.stop()
+            # In index order, a resumed run sees what an uninterrupted one did; of a batch the budget
+            # cut short, the unbroken run from its start is kept (a resumed run writes the rest).
+            for k in range(len(batch)):
+                if k not in written:
+                    break
                 candidates.append(written[k])
                 sink.write(json.dumps(asdict(written[k])) + "\n")
             sink.flush()
+            if _kept(candidates) < count:
+                budget.check("prompts", f"{_kept(candidates)} of {count} written")
     chosen = [c for c in candidates if not c.why][:count]
     last = chosen[-1].index if chosen else -1
     considered = [c for c in candidates if c.index <= last]

@@ -11,11 +11,18 @@
               its own imperfect features; top-1 agreement with the target on held-out answers
               is reported every epoch
     save      head.json + head.safetensors, loaded by `feature:DIR` / `early-exit:DIR`
+
+Every stage keeps its work under the target's training folder as it goes (prompts and answers line
+by line, states in shards, training at each epoch), so `--budget-minutes` can stop a run between
+units of saved work and the same command goes on from there (`specserve.training.budget`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -28,11 +35,12 @@ from tqdm import tqdm
 
 from drafters.heads import HEAD_KINDS, HeadConfig, save_head, target_fingerprint
 from specserve.ablation.config import SPEC_BENCH  # evaluation only: self-written prompts are checked against it
+from specserve.training.budget import Budget
 from specserve.training.data import (
     DEFAULT_DATA,
     Features,
     GenerationSettings,
-    extract,
+    extract_saved,
     generate,
     load_instructions,
 )
@@ -95,12 +103,15 @@ class TrainingData:
     answers: int
     generate_seconds: float
     prompts: dict  # where the answered prompts came from: counts by source (and topic, for self-written ones)
+    states_file: Path  # where the states are saved: what a training checkpoint is keyed by
 
 
 def prepare_data(target: str, settings: TrainSettings, generation: GenerationSettings,
                  data: Sequence[Path] | None = None, dtype: str = "bfloat16", work_dir: Path | None = None,
-                 progress: bool = True, device: str = "auto", spec_bench: Path = SPEC_BENCH) -> TrainingData:
-    """Generate (or reuse) the target's answers and extract (or reuse) its hidden states."""
+                 progress: bool = True, device: str = "auto", spec_bench: Path = SPEC_BENCH,
+                 budget: Budget | None = None) -> TrainingData:
+    """Generate (or reuse) the target's answers and extract (or reuse) its hidden states; each
+    stage stops (`BudgetSpent`, its work so far saved) when `budget` runs out."""
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
     from specserve.pull import cache_dir, resolve_model
@@ -125,44 +136,46 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
 
     key = generation.key(files, name)
     instructions = load_instructions(files, generation.samples, generation.seed)
-    examples = generate(engine, instructions, generation, work / f"answers-{key}.jsonl", progress=progress)
+    examples = generate(engine, instructions, generation, work / f"answers-{key}.jsonl", progress=progress,
+                        budget=budget)
     prompts: dict = {"gpteacher": len(instructions)}
     if generation.self_instruct:
         written_file = work / cache_name(name, generation.seed)
         written, prompts["self_instruct"] = write_prompts(engine, generation.self_instruct, written_file, spec_bench,
-                                                          generation.seed, progress=progress)
+                                                          generation.seed, progress=progress, budget=budget)
         answers_file = work / f"answers-{key}-{written_file.stem}.jsonl"  # answers by index: to these prompts only
-        examples += generate(engine, [c.text for c in written], generation, answers_file, progress=progress)
+        examples += generate(engine, [c.text for c in written], generation, answers_file, progress=progress,
+                             budget=budget)
     if len(examples) < 2:
         raise ValueError(f"only {len(examples)} usable answers: raise --samples")
     generated = time.perf_counter()
     layers = sorted({head_layer, model.config.num_layers})
     counts = f"{generation.samples}-{generation.self_instruct}-{len(examples)}"
     states_file = work / f"states-{key}-{counts}-{model.dtype}-{'-'.join(map(str, layers))}.safetensors"
-    if states_file.exists():
-        features = Features.load(states_file)
-    else:
-        features = extract(model, examples, layers, progress=progress)
-        features.save(states_file)
+    features = extract_saved(model, examples, layers, states_file, budget, progress=progress)
     return TrainingData(model, Path(model_dir), engine, features, layer, head_layer, files, len(examples),
-                        generated - started, prompts)
+                        generated - started, prompts, states_file)
 
 
 def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
                   generation: GenerationSettings | None = None, data: Sequence[Path] | None = None,
                   dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True,
-                  device: str = "auto", spec_bench: Path = SPEC_BENCH) -> HeadConfig:
-    """Generate (or reuse) the data, train a head, save it to `out`; returns its config."""
+                  device: str = "auto", spec_bench: Path = SPEC_BENCH, budget: Budget | None = None) -> HeadConfig:
+    """Generate (or reuse) the data, train a head, save it to `out`; returns its config. When
+    `budget` runs out first, stops with `BudgetSpent`, everything done so far saved: the same
+    call goes on from there."""
     settings, generation = settings or TrainSettings(), generation or GenerationSettings()
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
-    prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress, device, spec_bench)
+    prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress, device, spec_bench,
+                            budget)
     model, features = prepared.model, prepared.features
     train_ids, val_ids = features.split(settings.validation, settings.seed)
     vocab_ids, coverage = draft_vocabulary(features, train_ids, settings.draft_vocab, model.config)
     head = TrainableHead(model, settings.kind, prepared.layer, vocab_ids).to(model.norm.weight.device)
+    checkpoint = _checkpoint_file(prepared.states_file, settings)
     history = fit(head, features, train_ids, val_ids, settings, prepared.head_layer, model.config.num_layers,
-                  progress)
+                  progress, checkpoint, budget)
     seconds = time.perf_counter() - started
     config = HeadConfig(
         kind=settings.kind, target=prepared.model_dir.name, target_fingerprint=target_fingerprint(prepared.model_dir),
@@ -173,10 +186,18 @@ def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
             "train_tokens": int(sum(_answer_rows(features, i) for i in train_ids)),
             "draft_vocab_coverage": coverage, "epochs": [asdict(h) for h in history],
             "val_agreement": history[-1].val_agreement, "generate_seconds": round(prepared.generate_seconds, 1),
-            "wall_seconds": round(seconds, 1), "dtype": str(model.dtype),
+            "train_seconds": round(sum(h.seconds for h in history), 1), "wall_seconds": round(seconds, 1),
+            "dtype": str(model.dtype),
         })
     save_head(Path(out), config, head.tensors())
+    checkpoint.unlink(missing_ok=True)  # the head is saved: nothing left to resume
     return config
+
+
+def _checkpoint_file(states_file: Path, settings: TrainSettings) -> Path:
+    """Where training on these states with these settings keeps its progress."""
+    recipe = json.dumps([states_file.name, asdict(settings)], sort_keys=True)
+    return states_file.with_name(f"checkpoint-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}.pt")
 
 
 def _answer_rows(features: Features, example: int) -> int:
@@ -274,7 +295,13 @@ def _vocab_index(head: TrainableHead, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_ids: Sequence[int],
-        settings: TrainSettings, input_layer: int, final_layer: int, progress: bool = True) -> list[EpochReport]:
+        settings: TrainSettings, input_layer: int, final_layer: int, progress: bool = True,
+        checkpoint: Path | None = None, budget: Budget | None = None) -> list[EpochReport]:
+    """Train `head`; the reports before training and after each epoch. With `checkpoint`, the
+    training's whole state (weights, optimizer, schedule, random generators, reports) is saved
+    there after every epoch and where `budget` stops it (`BudgetSpent`), and a call that finds it
+    goes on from there: the head comes out as from one uninterrupted call."""
+    budget = budget or Budget()
     rng = random.Random(settings.seed)
     lr = settings.lr or (1e-3 if head.kind == "feature" else 3e-4)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -288,12 +315,43 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
         loss, by_depth = evaluate(head, features, val_ids, settings, input_layer, final_layer)
         return EpochReport(epoch, train_loss, loss, by_depth[0], round(seconds, 1), by_depth)
 
-    history = [report(0, None, 0.0)]
-    with tqdm(total=total, desc=f"train {head.kind} head", unit="step", disable=not progress) as bar:
-        for epoch in range(1, settings.epochs + 1):
-            start, losses = time.perf_counter(), []
+    def save(epoch: int, epoch_rng: tuple, step: int, losses: list[float], seconds: float) -> None:
+        """Training stands before step `step` of epoch `epoch`, whose batches `epoch_rng` orders."""
+        if checkpoint is None:
+            return
+        state = {"head": {n: p.detach().cpu() for n, p in head.named_parameters() if p.requires_grad},
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "history": [asdict(h) for h in history], "epoch": epoch, "step": step, "losses": losses,
+                 "seconds": seconds, "rng": epoch_rng, "torch_rng": _rng_states(head.embed.device)}
+        partial = checkpoint.with_name(checkpoint.name + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, checkpoint)  # whole or not at all, should the run die while saving
+
+    first_epoch, skip, losses, elapsed = 1, 0, [], 0.0
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, map_location=head.embed.device)
+        trained = dict(head.named_parameters())
+        for name, value in state["head"].items():
+            trained[name].data.copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        history = [EpochReport(**h) for h in state["history"]]
+        first_epoch, skip, losses, elapsed = state["epoch"], state["step"], state["losses"], state["seconds"]
+        rng.setstate(state["rng"])
+        _set_rng_states(state["torch_rng"], head.embed.device)
+    else:
+        history = [report(0, None, 0.0)]
+    with tqdm(total=total, initial=(first_epoch - 1) * steps_per_epoch + skip, desc=f"train {head.kind} head",
+              unit="step", disable=not progress) as bar:
+        for epoch in range(first_epoch, settings.epochs + 1):
+            epoch_rng, start = rng.getstate(), time.perf_counter() - elapsed
             head.train()
-            for batch in _batches(features, train_ids, settings.batch_tokens, rng):
+            for step, batch in enumerate(_batches(features, train_ids, settings.batch_tokens, rng)):
+                if step < skip:
+                    continue  # done before the run that saved the checkpoint stopped
+                if budget.spent:
+                    save(epoch, epoch_rng, step, losses, time.perf_counter() - start)
+                    budget.check("train", f"epoch {epoch} of {settings.epochs}, step {step} of {steps_per_epoch}")
                 loss, _, _ = _loss(head, _batch_tensors(features, batch, input_layer, final_layer, head.kind),
                                    settings, noise=True)
                 optimizer.zero_grad(set_to_none=True)
@@ -305,10 +363,26 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
                 bar.update()
                 bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
             history.append(report(epoch, sum(losses) / len(losses), time.perf_counter() - start))
+            skip, losses, elapsed = 0, [], 0.0
+            save(epoch + 1, rng.getstate(), 0, [], 0.0)
             depths = ", ".join(f"{a:.1%}" for a in history[-1].val_agreement_by_depth)
             bar.write(f"epoch {epoch}: train loss {history[-1].train_loss:.3f}, validation loss "
                       f"{history[-1].val_loss:.3f}, top-1 agreement with the target {depths} (by drafting depth)")
     return history
+
+
+def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """torch's generators that training draws from (noise on the inputs): the CPU's, and the device's."""
+    states = {"cpu": torch.random.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.random.set_rng_state(states["cpu"].cpu())
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
 
 
 @torch.no_grad()

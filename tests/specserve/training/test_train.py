@@ -12,7 +12,9 @@ from drafters.heads import HeadConfig
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.sampling import SamplingParams
-from specserve.training.data import GenerationSettings, generate, load_instructions
+from specserve.training import data
+from specserve.training.budget import BudgetSpent
+from specserve.training.data import Example, GenerationSettings, extract_saved, generate, load_instructions
 from specserve.training.heads import TrainableHead
 from specserve.training.train import TrainSettings, train_drafter
 
@@ -110,3 +112,91 @@ def test_training_lowers_validation_loss_and_raises_agreement(peaked_chat_model,
     again = TrainableHead.from_tensors(engine.model, kind, saved.layer, saved_tensors).tensors()
     assert again.keys() == saved_tensors.keys()
     assert all(torch.equal(again[name], saved_tensors[name]) for name in again)
+
+
+def test_answers_cut_by_the_budget_keep_what_finished_and_resume(peaked_chat_model, tmp_path, stops_after):
+    engine = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB"))
+    texts = [f"Write two sentences about {topic}." for topic in TOPICS[:6]]
+    settings = GenerationSettings(samples=6, max_new_tokens=8)
+    whole = generate(engine, texts, settings, tmp_path / "whole.jsonl", max_in_flight=2, progress=False)
+    cache = tmp_path / "answers.jsonl"
+    saved = []
+    for _ in range(10):
+        try:
+            resumed = generate(engine, texts, settings, cache, max_in_flight=2, progress=False,
+                               budget=stops_after(12))
+            break
+        except BudgetSpent as stop:
+            assert stop.stage == "answers"
+            assert not engine.has_unfinished()  # the answers cut short were aborted, their blocks freed
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+            saved.append(len(cache.read_text().splitlines()))
+    assert saved and saved == sorted(set(saved)) and saved[0] > 0  # every run kept more
+    assert resumed == whole
+
+
+def test_states_are_saved_in_shards_and_a_cut_run_resumes_to_the_same_states(peaked_chat_model, tmp_path,
+                                                                             stops_after):
+    model = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB")).model
+    examples = [Example([1, 504, 3115 + i], [28 + i] * (i + 2)) for i in range(7)]
+    whole = extract_saved(model, examples, [1, 3], tmp_path / "whole.safetensors", shard=2, progress=False)
+    path = tmp_path / "states.safetensors"
+    with pytest.raises(BudgetSpent, match="'states' \\(4 of 7"):
+        extract_saved(model, examples, [1, 3], path, stops_after(2), shard=2, progress=False)
+    shards = path.with_name(path.name + ".shards")
+    assert len(list(shards.iterdir())) == 2 and not path.exists()
+    resumed = extract_saved(model, examples, [1, 3], path, stops_after(2), shard=2, progress=False)
+    assert path.exists() and not shards.exists()
+    assert torch.equal(resumed.tokens, whole.tokens) and torch.equal(resumed.offsets, whole.offsets)
+    assert torch.equal(resumed.prompt_lens, whole.prompt_lens)
+    assert all(torch.equal(resumed.hidden[k], whole.hidden[k]) for k in (1, 3))
+    assert whole.offsets.tolist()[-1] == sum(len(e.token_ids) for e in examples) == len(whole.hidden[3])
+
+
+def test_a_run_cut_by_its_budget_resumes_to_the_head_of_an_uninterrupted_run(peaked_chat_model, instructions,
+                                                                            tmp_path, monkeypatch, stops_after):
+    monkeypatch.setattr(data, "STATE_SHARD_EXAMPLES", 8)
+    settings = TrainSettings(kind="feature", epochs=3, lr=3e-3, batch_tokens=256, draft_vocab=512, validation=0.25)
+    work = tmp_path / "work"
+
+    def train(out, budget=None):
+        return train_drafter(str(peaked_chat_model), out, settings, GenerationSettings(samples=24, max_new_tokens=16),
+                             data=[instructions], dtype="float32", work_dir=work, progress=False, budget=budget)
+
+    whole = train(tmp_path / "whole")
+    for states in work.glob("states-*"):
+        states.unlink()  # the answers stay: the states and the training are cut and resumed
+    stages = []
+    for _ in range(60):
+        try:
+            cut = train(tmp_path / "cut", stops_after(2))
+            break
+        except BudgetSpent as stop:
+            stages.append(stop.stage)
+            assert list(work.glob("checkpoint-*")) or stop.stage == "states"
+    assert stages.count("states") >= 1 and stages.count("train") >= 3
+
+    def without_times(config):
+        return [{k: v for k, v in epoch.items() if k != "seconds"} for epoch in config.training["epochs"]]
+
+    assert without_times(cut) == without_times(whole)
+    ours, theirs = load_file(tmp_path / "cut" / "head.safetensors"), load_file(tmp_path / "whole" / "head.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not list(work.glob("checkpoint-*"))  # the head is saved: nothing left to resume
+
+
+def test_train_drafter_out_of_budget_exits_75_saying_to_run_it_again(monkeypatch, capsys):
+    from specserve import cli
+    from specserve.training import train
+
+    budgets = []
+
+    def stopped(*args, budget, **kwargs):
+        budgets.append(budget)
+        raise BudgetSpent("answers", "3 of 10 answered")
+
+    monkeypatch.setattr(train, "train_drafter", stopped)
+    assert cli.main(["train-drafter", "--out", "head", "--budget-minutes", "1.5"]) == 75
+    err = capsys.readouterr().err
+    assert "'answers' (3 of 10 answered)" in err and "run the same command again" in err
+    assert budgets[0].seconds == 90
