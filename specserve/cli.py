@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--self-instruct", type=int, default=None, metavar="N",
                    help="also N user prompts the target writes itself across topics (Magpie), filtered and "
                         "answered too (default 0)")
+    p.add_argument("--follow-ups", type=int, default=None, metavar="M",
+                   help="also M follow-up user turns it writes after its own answers to those prompts, "
+                        "answered with the conversation as context (multi-turn; default 0)")
     p.add_argument("--spec-bench", default=None, metavar="JSONL",
                    help="Spec-Bench's questions: self-written prompts sharing 13 words with one are dropped "
                         "(default: the shared data folder's)")
@@ -233,7 +236,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
 
     generation = GenerationSettings(**given(samples=args.samples, max_new_tokens=args.max_new_tokens,
                                             temperature=args.temperature, seed=args.seed,
-                                            self_instruct=args.self_instruct))
+                                            self_instruct=args.self_instruct, follow_ups=args.follow_ups))
     settings = TrainSettings(kind=args.kind, layer=args.layers, **given(
         epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, draft_vocab=args.draft_vocab,
         seed=args.seed))

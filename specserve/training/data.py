@@ -44,12 +44,13 @@ class GenerationSettings:
     temperature: float = 0.0  # 0: greedy, the answers the served target gives
     seed: int = 0
     self_instruct: int = 0  # prompts the target writes itself, answered too (`specserve.training.self_instruct`)
+    follow_ups: int = 0  # follow-up turns it writes after its answers to those, answered in the conversation
 
     def key(self, files: Sequence[Path], target: str) -> str:
         """Answers are cached per instruction of one shuffled order (and self-written prompts in
         the order written), so asking for more later extends the same caches: the counts are not
         part of the key."""
-        settings = {k: v for k, v in asdict(self).items() if k not in ("samples", "self_instruct")}
+        settings = {k: v for k, v in asdict(self).items() if k not in ("samples", "self_instruct", "follow_ups")}
         text = json.dumps([settings, [Path(f).name for f in files], target], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -78,10 +79,20 @@ def load_instructions(files: Sequence[Path], samples: int, seed: int) -> list[st
     return turns[:samples]
 
 
-def generate(engine, instructions: Sequence[str], settings: GenerationSettings, cache_file: Path,
+Chat = str | list[dict[str, str]]  # a user turn, or a conversation ending in one
+
+
+def generate(engine, instructions: Sequence[Chat], settings: GenerationSettings, cache_file: Path,
              max_in_flight: int = 128, progress: bool = True, budget: Budget | None = None) -> list[Example]:
     """The target's answers to `instructions` (chat template), resuming from `cache_file`; stops
-    (`BudgetSpent`, the answers so far saved) when `budget` runs out."""
+    (`BudgetSpent`, the answers so far saved) when `budget` runs out. Prompts too long are left out."""
+    return [e for e in answer(engine, instructions, settings, cache_file, max_in_flight, progress, budget)
+            if e.output_ids]
+
+
+def answer(engine, instructions: Sequence[Chat], settings: GenerationSettings, cache_file: Path,
+           max_in_flight: int = 128, progress: bool = True, budget: Budget | None = None) -> list[Example]:
+    """`generate`, one example per instruction in order (a prompt too long: no output tokens)."""
     budget = budget or Budget()
     from specserve.closed_loop import ClosedLoop
     from specserve.sampling import SamplingParams
@@ -105,7 +116,8 @@ def generate(engine, instructions: Sequence[str], settings: GenerationSettings, 
             sink.flush()
             bar.update()
 
-        prompts = {index: engine.encode(instructions[index], chat=True) for index in todo}
+        prompts = {index: engine.encode(turn, chat=True) if isinstance(turn := instructions[index], str)
+                   else engine.encode_chat(turn) for index in todo}
         for index in todo:
             if len(prompts[index]) > settings.max_prompt_tokens:
                 record(index, Example(prompts[index], []))  # skipped: recorded so a resume skips it too
@@ -119,7 +131,7 @@ def generate(engine, instructions: Sequence[str], settings: GenerationSettings, 
             if budget.spent and not loop.done:
                 loop.stop()  # the unfinished answers are not saved: a resumed run asks for them again
                 budget.check("answers", f"{len(done)} of {len(instructions)} answered")
-    return [done[i] for i in range(len(instructions)) if done[i].output_ids]
+    return [done[i] for i in range(len(instructions))]
 
 
 @dataclass

@@ -7,6 +7,10 @@ and several sampling temperatures vary it further. What it writes is kept unless
 (the turn never ended), too short, a near-duplicate of a kept prompt, or shares a 13-word run
 with a Spec-Bench question (the evaluation set: never trained on). Every candidate and its verdict
 is appended to a JSONL file at once, so an interrupted run resumes and a larger count extends it.
+
+Multi-turn: after the target has answered its own first turns, the same opening placed after such
+an exchange (`write_follow_ups`) has it write the user's next turn, which it then answers with the
+whole conversation as context.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,6 +59,19 @@ class Candidate:
     temperature: float
     text: str
     why: str = ""
+    follows: int = -1  # a follow-up turn: the exchange it follows (see `write_follow_ups`); -1: a first turn
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A first user turn the target wrote and its own answer: what a follow-up turn continues."""
+
+    topic: str
+    prompt: str
+    answer: str
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.answer}]
 
 
 def words(text: str) -> list[str]:
@@ -103,14 +120,15 @@ class NearDuplicates:
         self._shingles.append(shingles)
 
 
-def pre_query(tokenizer, topic: str) -> str:
+def pre_query(tokenizer, topic: str, conversation: Sequence[dict[str, str]] = ()) -> str:
     """The chat template's text up to where a user's message begins, after a system turn naming
-    the topic: cut at a marker put in the user's place."""
+    the topic and the `conversation` so far (a follow-up turn): cut at a marker put in the
+    user's place."""
     marker = "\u0000MESSAGE\u0000"
     system = (f"You are a helpful AI assistant. Users come to you for {TOPICS[topic]}; they write what they "
               f"need in their own words.")
-    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": marker}],
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, *conversation,
+                                          {"role": "user", "content": marker}], tokenize=False)
     if marker not in text:
         raise ValueError("the chat template does not show the user's message as given: it cannot open a user turn")
     return text[: text.index(marker)]
@@ -128,27 +146,73 @@ def cache_name(target: str, seed: int) -> str:
     return f"prompts-{hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:12]}.jsonl"
 
 
+def follow_ups_cache_name(exchanges_key: str) -> str:
+    """The follow-up turns' cache file, keyed by what made the exchanges they follow (the first
+    turns' cache and the answers' settings) and by their own recipe."""
+    recipe = [exchanges_key, TEMPERATURES, MAX_PROMPT_TOKENS, MIN_WORDS, NEAR_DUPLICATE, CONTAMINATION_WORDS]
+    return f"follow-ups-{hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:12]}.jsonl"
+
+
 def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: int = 0,
                   max_in_flight: int = 128, progress: bool = True,
                   budget: Budget | None = None) -> tuple[list[Candidate], dict]:
     """`count` prompts the target wrote and that passed the filters, in order, and the counts of
     what was kept (by topic) and dropped (by reason). Stops (`BudgetSpent`, what was written
     saved) when `budget` runs out."""
-    budget = budget or Budget()
+    openings = {topic: engine.tokenizer.encode(pre_query(engine.tokenizer, topic), add_special_tokens=False)
+                for topic in TOPICS}
+
+    def recipe(index: int) -> tuple[list[int], Candidate]:
+        topic, temperature = plan(index)
+        return openings[topic], Candidate(index, topic, temperature, "")
+
+    return _write(engine, count, recipe, cache_file, spec_bench, seed, "write prompts", max_in_flight, progress,
+                  budget)
+
+
+def write_follow_ups(engine, exchanges: Sequence[Exchange], count: int, cache_file: Path, spec_bench: Path,
+                     seed: int = 0, max_in_flight: int = 128, progress: bool = True,
+                     budget: Budget | None = None) -> tuple[list[Candidate], dict]:
+    """`count` follow-up user turns the target wrote after `exchanges` (its own first turns and
+    answers: the opening of the next user turn after them, under the first turn's system turn),
+    filtered as `write_prompts`' are; candidate i follows exchange i mod len(exchanges), each
+    round over them at the next temperature. A multi-turn conversation asks for what a single
+    turn never shows: revising, extending or questioning the answer before."""
+    if not exchanges:
+        raise ValueError("follow-up turns need self-written first turns with answers: raise --self-instruct")
+    openings: dict[int, list[int]] = {}
+
+    def recipe(index: int) -> tuple[list[int], Candidate]:
+        follows = index % len(exchanges)
+        exchange = exchanges[follows]
+        if follows not in openings:
+            text = pre_query(engine.tokenizer, exchange.topic, exchange.messages())
+            openings[follows] = engine.tokenizer.encode(text, add_special_tokens=False)
+        temperature = TEMPERATURES[index // len(exchanges) % len(TEMPERATURES)]
+        return openings[follows], Candidate(index, exchange.topic, temperature, "", follows=follows)
+
+    return _write(engine, count, recipe, cache_file, spec_bench, seed, "write follow-ups", max_in_flight, progress,
+                  budget)
+
+
+def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidate]], cache_file: Path,
+           spec_bench: Path, seed: int, desc: str, max_in_flight: int, progress: bool,
+           budget: Budget | None) -> tuple[list[Candidate], dict]:
+    """What `write_prompts` and `write_follow_ups` share: candidate i opened by `recipe(i)` (the
+    opening's tokens, and the candidate without its text), written, judged and cached in turn."""
     from specserve.closed_loop import ClosedLoop
     from specserve.sampling import SamplingParams
 
+    budget = budget or Budget()
     candidates = _load(cache_file)
     forbidden = evaluation_grams(spec_bench)
     kept = NearDuplicates()
     for c in candidates:
         if not c.why:
             kept.add(c.text)
-    openings = {topic: engine.tokenizer.encode(pre_query(engine.tokenizer, topic), add_special_tokens=False)
-                for topic in TOPICS}
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    with cache_file.open("a") as sink, tqdm(total=count, initial=min(count, _kept(candidates)),
-                                            desc="write prompts", unit="prompt", disable=not progress) as bar:
+    with cache_file.open("a") as sink, tqdm(total=count, initial=min(count, _kept(candidates)), desc=desc,
+                                            unit="prompt", disable=not progress) as bar:
         while _kept(candidates) < count:
             start = len(candidates)
             if start >= MAX_CANDIDATES_PER_PROMPT * count:
@@ -156,10 +220,10 @@ def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: 
                 raise RuntimeError(f"the target kept {_kept(candidates)} of {start} prompts it wrote (dropped: "
                                    f"{dropped}): it does not write usable user turns; train on --data instead")
             # More candidates than still needed: some are dropped (a few rounds at most).
-            batch = [plan(i) for i in range(start, start + max(16, 2 * (count - _kept(candidates))))]
-            params = [SamplingParams(temperature=temperature, top_p=0.95, seed=seed * 1_000_003 + start + k,
-                                     max_tokens=MAX_PROMPT_TOKENS) for k, (_, temperature) in enumerate(batch)]
-            loop = ClosedLoop(engine, [openings[topic] for topic, _ in batch], lambda k, params=params: params[k],
+            batch = [recipe(i) for i in range(start, start + max(16, 2 * (count - _kept(candidates))))]
+            params = [SamplingParams(temperature=c.temperature, top_p=0.95, seed=seed * 1_000_003 + c.index,
+                                     max_tokens=MAX_PROMPT_TOKENS) for _, c in batch]
+            loop = ClosedLoop(engine, [opening for opening, _ in batch], lambda k, params=params: params[k],
                               concurrency=max_in_flight)
             written: dict[int, Candidate] = {}
             while not loop.done:
@@ -167,7 +231,7 @@ def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: 
                 for out in loop.finished:
                     k = loop.number(out)
                     completion = out.outputs[0]
-                    candidate = Candidate(start + k, batch[k][0], batch[k][1], completion.text.strip())
+                    candidate = replace(batch[k][1], text=completion.text.strip())
                     candidate.why = _verdict(candidate.text, completion.finish_reason, forbidden, kept)
                     if not candidate.why:
                         kept.add(candidate.text)
@@ -185,7 +249,7 @@ def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: 
                 sink.write(json.dumps(asdict(written[k])) + "\n")
             sink.flush()
             if _kept(candidates) < count:
-                budget.check("prompts", f"{_kept(candidates)} of {count} written")
+                budget.check(desc.removeprefix("write "), f"{_kept(candidates)} of {count} written")
     chosen = [c for c in candidates if not c.why][:count]
     last = chosen[-1].index if chosen else -1
     considered = [c for c in candidates if c.index <= last]

@@ -2,7 +2,9 @@
 
     prompts   with --self-instruct N: the target writes N user prompts of its own across topics
               (Magpie; filtered, none sharing 13 words with Spec-Bench; resumable)
-    answers   the target answers GPTeacher instructions and those prompts (greedy, batched, resumable)
+    answers   the target answers GPTeacher instructions and those prompts (greedy, batched, resumable);
+              with --follow-ups M, it then writes M next user turns after its own exchanges and
+              answers those in the conversation (multi-turn)
     states    one forward over every answer records the target's hidden states
     vocab     the draft vocabulary: the answers' most frequent tokens
     train     the head learns the target's next-token distribution over that vocabulary
@@ -40,12 +42,19 @@ from specserve.training.data import (
     DEFAULT_DATA,
     Features,
     GenerationSettings,
+    answer,
     extract_saved,
     generate,
     load_instructions,
 )
 from specserve.training.heads import TrainableHead
-from specserve.training.self_instruct import cache_name, write_prompts
+from specserve.training.self_instruct import (
+    Exchange,
+    cache_name,
+    follow_ups_cache_name,
+    write_follow_ups,
+    write_prompts,
+)
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
@@ -144,13 +153,27 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
         written, prompts["self_instruct"] = write_prompts(engine, generation.self_instruct, written_file, spec_bench,
                                                           generation.seed, progress=progress, budget=budget)
         answers_file = work / f"answers-{key}-{written_file.stem}.jsonl"  # answers by index: to these prompts only
-        examples += generate(engine, [c.text for c in written], generation, answers_file, progress=progress,
-                             budget=budget)
+        answers = answer(engine, [c.text for c in written], generation, answers_file, progress=progress,
+                         budget=budget)
+        examples += [a for a in answers if a.output_ids]
+        if generation.follow_ups:
+            exchanges = [Exchange(c.topic, c.text, engine.tokenizer.decode(a.output_ids, skip_special_tokens=True))
+                         for c, a in zip(written, answers, strict=True) if a.output_ids]
+            follow_file = work / follow_ups_cache_name(answers_file.stem)
+            follow_ups, prompts["follow_ups"] = write_follow_ups(
+                engine, exchanges, generation.follow_ups, follow_file, spec_bench, generation.seed, progress=progress,
+                budget=budget)
+            conversations = [[*exchanges[c.follows].messages(), {"role": "user", "content": c.text}]
+                             for c in follow_ups]
+            examples += generate(engine, conversations, generation, work / f"answers-{key}-{follow_file.stem}.jsonl",
+                                 progress=progress, budget=budget)
+    elif generation.follow_ups:
+        raise ValueError("--follow-ups continue the target's own first turns: give --self-instruct N too")
     if len(examples) < 2:
         raise ValueError(f"only {len(examples)} usable answers: raise --samples")
     generated = time.perf_counter()
     layers = sorted({head_layer, model.config.num_layers})
-    counts = f"{generation.samples}-{generation.self_instruct}-{len(examples)}"
+    counts = f"{generation.samples}-{generation.self_instruct}-{generation.follow_ups}-{len(examples)}"
     states_file = work / f"states-{key}-{counts}-{model.dtype}-{'-'.join(map(str, layers))}.safetensors"
     features = extract_saved(model, examples, layers, states_file, budget, progress=progress)
     return TrainingData(model, Path(model_dir), engine, features, layer, head_layer, files, len(examples),

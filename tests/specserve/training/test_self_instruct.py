@@ -13,13 +13,16 @@ from specserve.training.self_instruct import (
     TEMPERATURES,
     TOPICS,
     Candidate,
+    Exchange,
     NearDuplicates,
     _contiguous,
     _verdict,
     cache_name,
     evaluation_grams,
+    follow_ups_cache_name,
     plan,
     pre_query,
+    write_follow_ups,
     write_prompts,
 )
 
@@ -66,6 +69,28 @@ def test_the_opening_is_the_template_up_to_the_users_message_after_a_system_turn
     assert opening.startswith("<|system|>") and opening.endswith("<|user|>") and "Python" in opening
 
 
+def test_a_follow_ups_opening_comes_after_the_exchange_it_continues():
+    config = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 300, "hidden_size": 16, "intermediate_size": 32,
+                                    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                    "bos_token_id": 1, "eos_token_id": 2})
+    tokenizer = synthetic_tokenizer(config)
+    exchange = Exchange("coding", "Write a function that adds two numbers.", "def add(a, b):\n    return a + b")
+    opening = pre_query(tokenizer, "coding", exchange.messages())
+    first = pre_query(tokenizer, "coding")
+    assert opening.startswith(first) and opening.endswith("<|user|>")
+    assert opening.index(exchange.prompt) < opening.index(exchange.answer)  # the exchange in order, then the turn
+
+
+def test_follow_ups_have_a_cache_of_their_own_per_exchanges():
+    assert follow_ups_cache_name("a") != follow_ups_cache_name("b") != cache_name("a", 0)
+    assert follow_ups_cache_name("a") == follow_ups_cache_name("a")
+
+
+def test_follow_ups_need_exchanges_to_follow(spec_bench, tmp_path):
+    with pytest.raises(ValueError, match="raise --self-instruct"):
+        write_follow_ups(None, [], 3, tmp_path / "follow-ups.jsonl", spec_bench)
+
+
 def test_topics_take_turns_and_each_comes_at_every_temperature():
     seen = [plan(i) for i in range(len(TOPICS) * len(TEMPERATURES))]
     assert len(set(seen)) == len(seen) and [t for t, _ in seen[: len(TOPICS)]] == list(TOPICS)
@@ -93,6 +118,34 @@ def test_written_prompts_resume_from_their_cache_and_extend_it(smollm2_path, spe
     assert [c.text for c in again] == [c.text for c in first]  # seeded per candidate: the same prompts
     more, _ = write_prompts(engine, 9, cache, spec_bench, progress=False)
     assert [c.text for c in more[:6]] == [c.text for c in first] and len(more) == 9
+
+
+@pytest.mark.slow
+def test_follow_ups_continue_each_exchange_in_turn_and_resume(smollm2_path, spec_bench, tmp_path):
+    from specserve.config import EngineConfig
+    from specserve.engine import LLMEngine
+
+    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", quantization="none",
+                                                             kv_cache_memory="256MiB"))
+    exchanges = [Exchange("math", "What is 12 times 7?", "12 times 7 is 84."),
+                 Exchange("writing", "Write a haiku about rain.",
+                          "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky")]
+    cache = tmp_path / "follow-ups.jsonl"
+    first, stats = write_follow_ups(engine, exchanges, 4, cache, spec_bench, progress=False)
+    assert len(first) == 4 == stats["prompts"] and all(c.text for c in first)
+    written = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert all(c["follows"] == c["index"] % 2 for c in written)  # each exchange in turn
+    assert {c["topic"] for c in written} == {"math", "writing"}
+    assert all(c["temperature"] == TEMPERATURES[c["index"] // 2 % len(TEMPERATURES)] for c in written)
+    cache.write_text("\n".join(cache.read_text().splitlines()[:2]) + "\n")  # interrupted after two
+    again, _ = write_follow_ups(engine, exchanges, 4, cache, spec_bench, progress=False)
+    # The cached two come back as they were; the rest are written anew (sampled in other batches:
+    # the same seeds, but fp32 rounding that differs with the batch may part the texts).
+    kept_before = [c["text"] for c in written[:2] if not c["why"]]
+    assert [c.text for c in again[: len(kept_before)]] == kept_before and len(again) == 4
+    resumed = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert [c["index"] for c in resumed] == list(range(len(resumed))) and all(c["follows"] == c["index"] % 2
+                                                                               for c in resumed)
 
 
 def test_each_target_and_seed_writes_its_own_prompts_cache():

@@ -114,6 +114,26 @@ def test_training_lowers_validation_loss_and_raises_agreement(peaked_chat_model,
     assert all(torch.equal(again[name], saved_tensors[name]) for name in again)
 
 
+def test_a_conversation_is_answered_as_its_last_user_turn_in_context(peaked_chat_model, tmp_path):
+    engine = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB"))
+    conversation = [{"role": "user", "content": "Write two sentences about the sea."},
+                    {"role": "assistant", "content": "The sea is wide. It is blue."},
+                    {"role": "user", "content": "Now make them rhyme."}]
+    settings = GenerationSettings(samples=2, max_new_tokens=6)
+    examples = generate(engine, ["Write two sentences about trains.", conversation], settings,
+                        tmp_path / "answers.jsonl", progress=False)
+    assert [e.prompt_ids for e in examples] == [engine.encode("Write two sentences about trains.", chat=True),
+                                                engine.encode_chat(conversation)]
+    assert all(e.output_ids for e in examples)
+
+
+def test_follow_ups_without_self_written_first_turns_are_refused(peaked_chat_model, instructions, tmp_path):
+    with pytest.raises(ValueError, match="give --self-instruct N too"):
+        train_drafter(str(peaked_chat_model), tmp_path / "head", TrainSettings(epochs=1),
+                      GenerationSettings(samples=4, max_new_tokens=4, follow_ups=2), data=[instructions],
+                      dtype="float32", work_dir=tmp_path / "work", progress=False)
+
+
 def test_answers_cut_by_the_budget_keep_what_finished_and_resume(peaked_chat_model, tmp_path, stops_after):
     engine = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB"))
     texts = [f"Write two sentences about {topic}." for topic in TOPICS[:6]]
