@@ -13,6 +13,8 @@
   the residual add before it in the same pass.
 * `rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, kv_heads)`: rotary q and k
   out of the fused projection, k and v written to their cache slots (`kernels/cpu/rope_kv.cpp`).
+* `silu_mul(gate_up)`: SwiGLU's `silu(gate) * up` in one pass over the fused gate/up output, the
+  same bits as torch's (`kernels/cpu/activation.cpp`).
 * `DecoderStack` (a class): a model's decoder layers in one call over weights bound once, the
   very ops above in `DecoderLayer`'s order (`kernels/cpu/decoder_stack.cpp`).
 * `row_argmax`, `filter_stats`, `sample_rows`: sampling's passes over rows of logits, argmax,
@@ -40,7 +42,7 @@ import torch
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp",
-                        "sampling_rows.cpp", "decoder_stack.cpp")]
+                        "sampling_rows.cpp", "activation.cpp", "decoder_stack.cpp")]
 log = logging.getLogger(__name__)
 
 
@@ -152,6 +154,12 @@ def tree_attention(
     load()
     return torch.ops.specserve_cpu.tree_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables,
                                                   ancestor_mask, scale)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` for `gate, up = gate_up.chunk(2, -1)` (fp32 on the CPU), in one pass."""
+    load()
+    return torch.ops.specserve_cpu.silu_mul(gate_up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,7 @@
 // A model's decoder layers run from C++ in one call, over weights bound once (`DecoderStack`).
 //
 // A small model's decode is mostly per-op costs: SmolLM2-135M makes about 400 op calls a step
-// (four projections, two norms, rotary + K/V write, attention, SiLU and a product per layer) and
+// (four projections, two norms, rotary + K/V write, attention and SwiGLU's product per layer) and
 // on a 2-core AVX2 host the Python between them (argument parsing, the dispatcher, module
 // attribute lookups) took about 60% of the step's time. Here each layer is the very same ops,
 // called through the dispatcher from C++: the same kernels in the same order, so the same bits
@@ -71,6 +71,7 @@ using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using RopeWriteKV = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                const at::Tensor&, int64_t, int64_t);
+using SiluMul = at::Tensor(const at::Tensor&);
 using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 
@@ -81,7 +82,8 @@ class DecoderStack : public torch::CustomClassHolder {
         norm_(handle("specserve_cpu::rms_norm").typed<Norm>()),
         add_norm_(handle("specserve_cpu::add_rms_norm").typed<AddNorm>()),
         rope_write_kv_(handle("specserve_cpu::rope_write_kv").typed<RopeWriteKV>()),
-        attention_(handle("specserve_cpu::tree_attention").typed<Attention>()) {}
+        attention_(handle("specserve_cpu::tree_attention").typed<Attention>()),
+        silu_mul_(handle("specserve_cpu::silu_mul").typed<SiluMul>()) {}
 
   void set_norms(int64_t layer, at::Tensor input_norm, at::Tensor post_norm) {
     Layer& l = at(layer);
@@ -117,7 +119,6 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor h, dx = delta ? *delta : at::Tensor();
     for (int64_t i = begin; i < end; ++i) {
       const Layer& l = layers_[i];
-      const int64_t intermediate = l.projections[kDown].in_features;
       std::tie(x, h) = residual_norm(x, dx, l.input_norm);
       const at::Tensor qkv = l.projections[kQkv](h);
       auto [k, v] = cache_layer(k_cache, v_cache, i);
@@ -127,8 +128,7 @@ class DecoderStack : public torch::CustomClassHolder {
       const at::Tensor o = l.projections[kO](attended.reshape({tokens, heads_ * head_dim_}));
       std::tie(x, h) = add_norm_.call(x, o, l.post_norm, eps_);
       const at::Tensor gate_up = l.projections[kGateUp](h);
-      dx = l.projections[kDown](at::silu(gate_up.narrow(-1, 0, intermediate)) *
-                                gate_up.narrow(-1, intermediate, intermediate));
+      dx = l.projections[kDown](silu_mul_.call(gate_up));
     }
     if (!dx.defined()) return {x, std::nullopt};
     return {x, dx};
@@ -172,6 +172,7 @@ class DecoderStack : public torch::CustomClassHolder {
   c10::TypedOperatorHandle<AddNorm> add_norm_;
   c10::TypedOperatorHandle<RopeWriteKV> rope_write_kv_;
   c10::TypedOperatorHandle<Attention> attention_;
+  c10::TypedOperatorHandle<SiluMul> silu_mul_;
 };
 
 }  // namespace

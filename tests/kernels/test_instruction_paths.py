@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_block_matmul.py", "tests/kernels/test_cpu_attention.py",
-                "tests/kernels/test_rms_norm.py", "tests/kernels/test_rope_kv.py",
+                "tests/kernels/test_rms_norm.py", "tests/kernels/test_rope_kv.py", "tests/kernels/test_activation.py",
                 "tests/kernels/test_sampling_rows.py"]
 # The tiled kernels' products of fixed weights and activations and tree attention over a fixed
 # cache (head sizes 64 and 128: the vector paths; fp32 and bf16), saved to the path given.
