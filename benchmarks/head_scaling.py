@@ -80,6 +80,8 @@ def main() -> None:
                         help="GPTeacher answers generated (the shipped head's data)")
     parser.add_argument("--self-instruct", type=int, default=0,
                         help="answers to prompts the target writes itself, added (`train-drafter --self-instruct`)")
+    parser.add_argument("--follow-ups", type=int, default=0,
+                        help="answers to follow-up turns it writes after those (`train-drafter --follow-ups`)")
     parser.add_argument("--fractions", default="0.125,0.25,0.5,1")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--top-k", type=int, default=4)
@@ -93,7 +95,8 @@ def main() -> None:
     torch.manual_seed(0)
     settings = TrainSettings(kind="feature", epochs=args.epochs)
     prepared = prepare_data(args.model, settings, GenerationSettings(samples=args.samples,
-                                                                     self_instruct=args.self_instruct))
+                                                                     self_instruct=args.self_instruct,
+                                                                     follow_ups=args.follow_ups))
     features, final = prepared.features, prepared.model.config.num_layers
     train_ids, val_ids = features.split(settings.validation, settings.seed)
     bench = spec_bench_features(prepared, args.per_category, args.max_tokens, args.questions)
@@ -176,7 +179,8 @@ def main() -> None:
         f"tokens; a MAT bound of {args.mat} would need about {needed:,.0f} tokens, "
         f"{needed / runs[-1]['train_tokens']:.0f}x the largest run's.")
     data = f"{args.samples} self-distilled GPTeacher answers" + (
-        f" and {args.self_instruct} to prompts it wrote itself (self-instruct)" if args.self_instruct else "")
+        f" and {args.self_instruct} to prompts it wrote itself (self-instruct)" if args.self_instruct else "") + (
+        f" and {args.follow_ups} to follow-up turns it wrote after its own answers" if args.follow_ups else "")
     caption = (f"Feature heads for {args.model} on growing shares of {data} "
                f"({args.epochs} epoch(s), training-time test {settings.unroll} passes, bf16 autocast, "
                f"{torch.get_num_threads()} threads), and the shipped head (3000 GPTeacher answers, more epochs). "
