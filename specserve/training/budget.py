@@ -4,7 +4,8 @@ Every stage saves its work as it goes (prompts and answers line by line, hidden 
 training at each epoch and where the budget stops it) and checks the budget only between units
 it has saved. A run stopped by the budget therefore loses nothing, and the same command run again
 goes on where it stopped: on a CPU a whole training run may take hours, in pieces that fit the
-time a user has.
+time a user has. A stage checks only once it has saved something in this run, so every run moves
+forward, even on a budget shorter than one unit of work (it then overruns by that unit).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def answer(engine, instructions: Sequence[Chat], settings: GenerationSettings, c
             for out in loop.finished:
                 record(kept[loop.number(out)], Example(list(out.prompt_token_ids), list(out.outputs[0].token_ids)))
             loop.finished.clear()
-            if budget.spent and not loop.done:
+            if budget.spent and not loop.done and len(done) > len(instructions) - len(todo):  # moved forward
                 loop.stop()  # the unfinished answers are not saved: a resumed run asks for them again
                 budget.check("answers", f"{len(done)} of {len(instructions)} answered")
     return [done[i] for i in range(len(instructions))]
@@ -191,6 +191,7 @@ def extract_saved(model: LlamaForCausalLM, examples: Sequence[Example], hidden_a
     starts = range(0, len(examples), shard)
     done = [start for start in starts if (shards / f"{start:08d}.safetensors").exists()]
     parts: list[Features] = []
+    extracted = 0  # shards this run: it checks the budget only once it has moved forward
     with tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states", unit="tok",
               disable=not progress) as bar:
         for start in starts:
@@ -199,10 +200,12 @@ def extract_saved(model: LlamaForCausalLM, examples: Sequence[Example], hidden_a
                 parts.append(Features.load(part_file))
                 bar.update(sum(len(e.token_ids) for e in examples[start: start + shard]))
                 continue
-            budget.check("states", f"{start} of {len(examples)} answers recorded")
+            if extracted:
+                budget.check("states", f"{start} of {len(examples)} answers recorded")
             part = extract(model, examples[start: start + shard], hidden_at, bar=bar)
             part.save(part_file)
             parts.append(part)
+            extracted += 1
     features = Features.join(parts)
     features.save(path)
     shutil.rmtree(shards)

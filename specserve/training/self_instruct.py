@@ -205,6 +205,7 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
 
     budget = budget or Budget()
     candidates = _load(cache_file)
+    loaded = len(candidates)  # this run checks the budget only once it has written beyond these
     forbidden = evaluation_grams(spec_bench)
     kept = NearDuplicates()
     for c in candidates:
@@ -238,7 +239,7 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
                         bar.update()
                     written[k] = candidate
                 loop.finished.clear()
-                if budget.spent:
+                if budget.spent and 0 in written:  # the batch's first is in: this run moved forward
                     loop.stop()
             # In index order, a resumed run sees what an uninterrupted one did; of a batch the budget
             # cut short, the unbroken run from its start is kept (a resumed run writes the rest).
@@ -248,7 +249,7 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
                 candidates.append(written[k])
                 sink.write(json.dumps(asdict(written[k])) + "\n")
             sink.flush()
-            if _kept(candidates) < count:
+            if _kept(candidates) < count and len(candidates) > loaded:
                 budget.check(desc.removeprefix("write "), f"{_kept(candidates)} of {count} written")
     chosen = [c for c in candidates if not c.why][:count]
     last = chosen[-1].index if chosen else -1

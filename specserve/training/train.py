@@ -350,7 +350,7 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
         torch.save(state, partial)
         os.replace(partial, checkpoint)  # whole or not at all, should the run die while saving
 
-    first_epoch, skip, losses, elapsed = 1, 0, [], 0.0
+    first_epoch, skip, losses, elapsed, stepped = 1, 0, [], 0.0, 0
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, map_location=head.embed.device)
         trained = dict(head.named_parameters())
@@ -372,7 +372,7 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
             for step, batch in enumerate(_batches(features, train_ids, settings.batch_tokens, rng)):
                 if step < skip:
                     continue  # done before the run that saved the checkpoint stopped
-                if budget.spent:
+                if budget.spent and stepped:  # this run has taken a step: it moved forward
                     save(epoch, epoch_rng, step, losses, time.perf_counter() - start)
                     budget.check("train", f"epoch {epoch} of {settings.epochs}, step {step} of {steps_per_epoch}")
                 loss, _, _ = _loss(head, _batch_tensors(features, batch, input_layer, final_layer, head.kind),
@@ -383,6 +383,7 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
                 optimizer.step()
                 scheduler.step()
                 losses.append(loss.item())
+                stepped += 1
                 bar.update()
                 bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
             history.append(report(epoch, sum(losses) / len(losses), time.perf_counter() - start))

@@ -155,14 +155,30 @@ def test_answers_cut_by_the_budget_keep_what_finished_and_resume(peaked_chat_mod
     assert resumed == whole
 
 
+def test_a_budget_shorter_than_one_unit_of_work_still_moves_every_run_forward(peaked_chat_model, tmp_path,
+                                                                              stops_after):
+    """Each stage checks only once it has saved something in this run: no run ends where it began."""
+    engine = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB"))
+    texts = [f"Write two sentences about {topic}." for topic in TOPICS[:4]]
+    cache = tmp_path / "answers.jsonl"
+    settings = GenerationSettings(samples=4, max_new_tokens=8)
+    for run in range(1, 10):
+        try:
+            generate(engine, texts, settings, cache, max_in_flight=4, progress=False, budget=stops_after(0))
+            break
+        except BudgetSpent:
+            assert len(cache.read_text().splitlines()) >= run  # spent from the start, yet one more answer
+    assert len(cache.read_text().splitlines()) == 4
+
+
 def test_states_are_saved_in_shards_and_a_cut_run_resumes_to_the_same_states(peaked_chat_model, tmp_path,
                                                                              stops_after):
     model = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB")).model
     examples = [Example([1, 504, 3115 + i], [28 + i] * (i + 2)) for i in range(7)]
     whole = extract_saved(model, examples, [1, 3], tmp_path / "whole.safetensors", shard=2, progress=False)
     path = tmp_path / "states.safetensors"
-    with pytest.raises(BudgetSpent, match="'states' \\(4 of 7"):
-        extract_saved(model, examples, [1, 3], path, stops_after(2), shard=2, progress=False)
+    with pytest.raises(BudgetSpent, match="'states' \\(4 of 7"):  # a run checks once it has moved forward
+        extract_saved(model, examples, [1, 3], path, stops_after(1), shard=2, progress=False)
     shards = path.with_name(path.name + ".shards")
     assert len(list(shards.iterdir())) == 2 and not path.exists()
     resumed = extract_saved(model, examples, [1, 3], path, stops_after(2), shard=2, progress=False)
@@ -189,7 +205,7 @@ def test_a_run_cut_by_its_budget_resumes_to_the_head_of_an_uninterrupted_run(pea
     stages = []
     for _ in range(60):
         try:
-            cut = train(tmp_path / "cut", stops_after(2))
+            cut = train(tmp_path / "cut", stops_after(1))
             break
         except BudgetSpent as stop:
             stages.append(stop.stage)
