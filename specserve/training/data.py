@@ -17,6 +17,7 @@ import json
 import random
 import shutil
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -188,15 +189,13 @@ def extract_saved(model: LlamaForCausalLM, examples: Sequence[Example], hidden_a
         return Features.load(path)
     budget, shard = budget or Budget(), shard or STATE_SHARD_EXAMPLES
     shards = path.with_name(path.name + ".shards")
-    starts = range(0, len(examples), shard)
-    done = [start for start in starts if (shards / f"{start:08d}.safetensors").exists()]
     parts: list[Features] = []
     extracted = 0  # shards this run: it checks the budget only once it has moved forward
     with tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states", unit="tok",
               disable=not progress) as bar:
-        for start in starts:
+        for start in range(0, len(examples), shard):
             part_file = shards / f"{start:08d}.safetensors"
-            if start in done:
+            if part_file.exists():
                 parts.append(Features.load(part_file))
                 bar.update(sum(len(e.token_ids) for e in examples[start: start + shard]))
                 continue
@@ -241,10 +240,8 @@ def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Seq
                 rows[k].append(state.clone() if state.device.type == "cpu" else state.cpu())
         batch.clear()
 
-    own = bar is None
-    bar = bar if bar is not None else tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states",
-                                           unit="tok", disable=not progress)
-    try:
+    with (tqdm(total=sum(len(e.token_ids) for e in examples), desc="target hidden states", unit="tok",
+               disable=not progress) if bar is None else nullcontext(bar)) as bar:
         for e in examples:
             if batch and (sum(len(b.token_ids) for b in batch) + len(e.token_ids) > budget
                           or sum(blocks(b) for b in batch) + blocks(e) > pool):
@@ -253,9 +250,6 @@ def extract(model: LlamaForCausalLM, examples: Sequence[Example], hidden_at: Seq
             bar.update(len(e.token_ids))
         if batch:
             flush()
-    finally:
-        if own:
-            bar.close()
     lengths = torch.tensor([len(e.token_ids) for e in examples], dtype=torch.int64)
     return Features(
         tokens=torch.tensor([t for e in examples for t in e.token_ids], dtype=torch.int64),
