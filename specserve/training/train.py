@@ -159,7 +159,8 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
         if generation.follow_ups:
             exchanges = [Exchange(c.topic, c.text, engine.tokenizer.decode(a.output_ids, skip_special_tokens=True))
                          for c, a in zip(written, answers, strict=True) if a.output_ids]
-            follow_file = work / follow_ups_cache_name(answers_file.stem)
+            # keyed by the exchanges too: candidate i follows exchange i mod their number
+            follow_file = work / follow_ups_cache_name(f"{answers_file.stem}-{len(exchanges)}")
             follow_ups, prompts["follow_ups"] = write_follow_ups(
                 engine, exchanges, generation.follow_ups, follow_file, spec_bench, generation.seed, progress=progress,
                 budget=budget)
