@@ -2,12 +2,12 @@
 // torch needs a silu, a product and their two allocations (~12 us per layer of a SmolLM2 decode
 // on a 2-core AVX2 host, for 1536 products).
 //
-// Same arithmetic as torch's `F.silu(gate) * up`, so the same bits: per row, runs of 16 inputs as
-// x / (1 + exp(-x)) with SLEEF's AVX2 exp (the one torch's vectorized silu calls; SLEEF's
-// deterministic variant, the same results at every vector width), the rest of the row with
-// std::exp (torch's scalar tail), then one rounded product with `up`. (torch on an AVX-512 CPU
-// takes runs of 32: the same bits where the intermediate size is a multiple of 32, as in every
-// model we serve.)
+// Same arithmetic as torch's `F.silu(gate) * up` where torch runs its AVX2 code, so the same bits:
+// per row, runs of 16 inputs as x / (1 + exp(-x)) with SLEEF's AVX2 exp (the one torch's
+// vectorized silu calls), the rest of the row with std::exp (torch's scalar tail), then one
+// rounded product with `up`. (torch's AVX-512 code takes runs of 32 with its 16-wide exp: there
+// the last bit may differ now and then. The decoder stack and the layers one by one both call
+// this op, so they agree with each other on every CPU.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

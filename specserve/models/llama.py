@@ -97,8 +97,10 @@ class MLP(DirectModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and gate_up.dim() == 2:
-            return self.down_proj(native.silu_mul(gate_up))  # one pass, torch's bits
+        if self.down_proj.quantized and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            # one pass, as the decoder stack does (torch's bits on AVX2; plain weights keep torch's
+            # ops, the path held equal to transformers)
+            return self.down_proj(native.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
