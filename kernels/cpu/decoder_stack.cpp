@@ -42,7 +42,6 @@ struct Part {
 
 // `specserve.models.linear.Projection` over quantized weights: its parts' outputs side by side, then the bias.
 struct Projection {
-  int64_t in_features = 0;
   std::vector<Part> parts;
   std::optional<at::Tensor> bias;
 
@@ -91,13 +90,10 @@ class DecoderStack : public torch::CustomClassHolder {
     l.post_norm = std::move(post_norm);
   }
 
-  // Projection `slot` (0 qkv, 1 o, 2 gate/up, 3 down) of `layer`, taking `in_features` inputs, gains a
-  // weight: `op(x, *tensors, *ints)`.
-  void add_part(int64_t layer, int64_t slot, int64_t in_features, const std::string& op,
-                std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    Projection& p = projection(layer, slot);
-    p.in_features = in_features;
-    p.parts.push_back(Part{handle(op.c_str()), std::move(tensors), std::move(ints)});
+  // Projection `slot` (0 qkv, 1 o, 2 gate/up, 3 down) of `layer` gains a weight: `op(x, *tensors, *ints)`.
+  void add_part(int64_t layer, int64_t slot, const std::string& op, std::vector<at::Tensor> tensors,
+                std::vector<int64_t> ints) {
+    projection(layer, slot).parts.push_back(Part{handle(op.c_str()), std::move(tensors), std::move(ints)});
   }
 
   void set_bias(int64_t layer, int64_t slot, at::Tensor bias) { projection(layer, slot).bias = std::move(bias); }

@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
                 for weight in projection.quantized:
                     op, args = weight.kernel_call()
                     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-                    stack.add_part(index, slot, projection.in_features, op.name(), tensors, list(args[len(tensors):]))
+                    stack.add_part(index, slot, op.name(), tensors, list(args[len(tensors):]))
                 if projection.fused_bias is not None:
                     stack.set_bias(index, slot, projection.fused_bias)
         return stack
