@@ -166,8 +166,7 @@ def write_prompts(engine, count: int, cache_file: Path, spec_bench: Path, seed: 
         topic, temperature = plan(index)
         return openings[topic], Candidate(index, topic, temperature, "")
 
-    return _write(engine, count, recipe, cache_file, spec_bench, seed, "write prompts", max_in_flight, progress,
-                  budget)
+    return _write(engine, count, recipe, cache_file, spec_bench, seed, "prompts", max_in_flight, progress, budget)
 
 
 def write_follow_ups(engine, exchanges: Sequence[Exchange], count: int, cache_file: Path, spec_bench: Path,
@@ -191,12 +190,12 @@ def write_follow_ups(engine, exchanges: Sequence[Exchange], count: int, cache_fi
         temperature = TEMPERATURES[index // len(exchanges) % len(TEMPERATURES)]
         return openings[follows], Candidate(index, exchange.topic, temperature, "", follows=follows)
 
-    return _write(engine, count, recipe, cache_file, spec_bench, seed, "write follow-ups", max_in_flight, progress,
+    return _write(engine, count, recipe, cache_file, spec_bench, seed, "follow-ups", max_in_flight, progress,
                   budget)
 
 
 def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidate]], cache_file: Path,
-           spec_bench: Path, seed: int, desc: str, max_in_flight: int, progress: bool,
+           spec_bench: Path, seed: int, stage: str, max_in_flight: int, progress: bool,
            budget: Budget | None) -> tuple[list[Candidate], dict]:
     """What `write_prompts` and `write_follow_ups` share: candidate i opened by `recipe(i)` (the
     opening's tokens, and the candidate without its text), written, judged and cached in turn."""
@@ -212,7 +211,7 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
         if not c.why:
             kept.add(c.text)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    with cache_file.open("a") as sink, tqdm(total=count, initial=min(count, _kept(candidates)), desc=desc,
+    with cache_file.open("a") as sink, tqdm(total=count, initial=min(count, _kept(candidates)), desc=f"write {stage}",
                                             unit="prompt", disable=not progress) as bar:
         while _kept(candidates) < count:
             start = len(candidates)
@@ -239,7 +238,7 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
                         bar.update()
                     written[k] = candidate
                 loop.finished.clear()
-                if budget.spent and 0 in written:  # the batch's first is in: this run moved forward
+                if 0 in written and budget.spent:  # the batch's first is in: this run moved forward
                     loop.stop()
             # In index order, a resumed run sees what an uninterrupted one did; of a batch the budget
             # cut short, the unbroken run from its start is kept (a resumed run writes the rest).
@@ -250,7 +249,7 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
                 sink.write(json.dumps(asdict(written[k])) + "\n")
             sink.flush()
             if _kept(candidates) < count and len(candidates) > loaded:
-                budget.check(desc.removeprefix("write "), f"{_kept(candidates)} of {count} written")
+                budget.check(stage, f"{_kept(candidates)} of {count} written")
     chosen = [c for c in candidates if not c.why][:count]
     last = chosen[-1].index if chosen else -1
     considered = [c for c in candidates if c.index <= last]

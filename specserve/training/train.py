@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from drafters.heads import HEAD_KINDS, HeadConfig, save_head, target_fingerprint
 from specserve.ablation.config import SPEC_BENCH  # evaluation only: self-written prompts are checked against it
-from specserve.training.budget import Budget
+from specserve.training.budget import Budget, BudgetSpent
 from specserve.training.data import (
     DEFAULT_DATA,
     Features,
@@ -373,9 +373,9 @@ def fit(head: TrainableHead, features: Features, train_ids: Sequence[int], val_i
             for step, batch in enumerate(_batches(features, train_ids, settings.batch_tokens, rng)):
                 if step < skip:
                     continue  # done before the run that saved the checkpoint stopped
-                if budget.spent and stepped:  # this run has taken a step: it moved forward
+                if stepped and budget.spent:  # this run has taken a step: it moved forward
                     save(epoch, epoch_rng, step, losses, time.perf_counter() - start)
-                    budget.check("train", f"epoch {epoch} of {settings.epochs}, step {step} of {steps_per_epoch}")
+                    raise BudgetSpent("train", f"epoch {epoch} of {settings.epochs}, step {step} of {steps_per_epoch}")
                 loss, _, _ = _loss(head, _batch_tensors(features, batch, input_layer, final_layer, head.kind),
                                    settings, noise=True)
                 optimizer.zero_grad(set_to_none=True)

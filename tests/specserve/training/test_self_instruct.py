@@ -170,21 +170,26 @@ def test_a_target_that_writes_nothing_usable_is_stopped_with_a_message(dummy_mod
 
 
 def test_a_budget_that_runs_out_mid_batch_keeps_the_written_start_and_frees_the_engine(dummy_model, spec_bench,
-                                                                                      tmp_path, monkeypatch,
-                                                                                      stops_after):
+                                                                                      tmp_path, monkeypatch):
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
     from specserve.training import self_instruct
-    from specserve.training.budget import BudgetSpent
+    from specserve.training.budget import Budget, BudgetSpent
 
     monkeypatch.setattr(self_instruct, "MAX_PROMPT_TOKENS", 12)  # CI time
     engine = LLMEngine(dummy_model(vocab_size=50_000), "float32",
                        EngineConfig(load_format="dummy", speculation="off", kv_cache_memory="64MiB"))
     cache = tmp_path / "prompts.jsonl"
-    # The first batch (16 candidates, all dropped: a random model's turns never end) runs whole in
-    # about 13 steps; the budget runs out a few steps into the second.
+
+    class SpentOnceTheFirstBatchIsSaved(Budget):
+        @property
+        def spent(self) -> bool:
+            return cache.exists() and len(cache.read_text().splitlines()) >= 16
+
+    # Batches of 16 candidates, all dropped (a random model's turns never end): the budget runs out
+    # once the first is saved, and the second is cut when its first candidate is written.
     with pytest.raises(BudgetSpent, match="'prompts' \\(0 of 2 written\\)"):
-        write_prompts(engine, 2, cache, spec_bench, progress=False, budget=stops_after(20))
+        write_prompts(engine, 2, cache, spec_bench, progress=False, budget=SpentOnceTheFirstBatchIsSaved())
     written = [json.loads(line) for line in cache.read_text().splitlines()]
     assert [c["index"] for c in written] == list(range(len(written))) and len(written) >= 16
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
