@@ -186,8 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="tokens the head scores: the answers' most frequent (default 8192)")
     p.add_argument("--seed", type=int, default=None, help="default 0")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="the target's dtype while generating and recording its states (serve in the same)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the target's dtype while generating and recording its states (default: serve's; "
+                        "serve the head in the same)")
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="the target's weights while generating and recording its states, as serve takes them "
+                        "(default auto: a GGUF's own blocks on a CPU, what serve runs by default)")
     p.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda "
                                                     "or cuda:N: where the target generates and the head trains")
     p.add_argument("--budget-minutes", type=float, default=None, metavar="M",
@@ -243,7 +247,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     budget = Budget(None if args.budget_minutes is None else args.budget_minutes * 60)
     try:
         config = train_drafter(args.target, Path(args.out), settings, generation, args.data, args.dtype,
-                               device=args.device, budget=budget,
+                               device=args.device, budget=budget, quantization=args.quantization,
                                **given(spec_bench=args.spec_bench and Path(args.spec_bench)))
     except BudgetSpent as e:
         print(f"[train-drafter: {e}]", file=sys.stderr)

@@ -108,14 +108,22 @@ class Projection(DirectModule):
         """The weights into blocks of `bits` (`BlockWeight.quantize`) that the CPU kernel runs:
         plain ones, or blocks of other formats by their exact fp32 values (which then stack into
         one fused weight where their formats differed, as a Q4_K_M file's q/k/v do)."""
-        if self.quantized:
-            weight = torch.cat([w.dequantize() for w in self.quantized])
-            blocks = list(weight.split(self.out_sizes))
-        else:
-            blocks = self.blocks
         biases = list(self.fused_bias.split(self.out_sizes)) if self.fused_bias is not None else None
-        self.load_quantized([BlockWeight.quantize(w, bits) for w in blocks], biases)
+        self.load_quantized([BlockWeight.quantize(w, bits) for w in self.dense_blocks()], biases)
         self.blocks, self.biases, self.fused, self.packed = [], [], None, None
+
+    def dense_blocks(self) -> list[torch.Tensor]:
+        """The weight of each block as a plain [out_i, in] tensor, however it is stored (quantized
+        blocks by their exact fp32 values): for tools that copy a weight, never the forward."""
+        if not self.quantized:
+            return list(self.blocks)
+        return list(torch.cat([w.dequantize() for w in self.quantized]).split(self.out_sizes))
+
+    def dense_biases(self) -> list[torch.Tensor | None]:
+        """The bias of each block (None where it has none), however the weights are stored."""
+        if self.fused_bias is None:
+            return [None] * len(self.out_sizes)
+        return list(self.fused_bias.split(self.out_sizes))
 
     def select_rows(self, rows: torch.Tensor) -> Projection:
         """A one-block projection computing only output rows `rows` (a restricted LM head)."""

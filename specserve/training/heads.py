@@ -62,13 +62,12 @@ class TrainableLayer(nn.Module):
 
     def copy_from(self, layer: DecoderLayer) -> None:
         """Start from one of the target's layers (an early-exit head starts as layer K)."""
-        q, k, v = layer.self_attn.qkv_proj.blocks
-        gate, up = layer.mlp.gate_up_proj.blocks
-        weights = {"q_proj": q, "k_proj": k, "v_proj": v, "o_proj": layer.self_attn.o_proj.blocks[0],
-                   "gate_proj": gate, "up_proj": up, "down_proj": layer.mlp.down_proj.blocks[0]}
-        biases = dict(zip(["q_proj", "k_proj", "v_proj"], layer.self_attn.qkv_proj.biases, strict=True))
-        biases.update(o_proj=layer.self_attn.o_proj.biases[0], gate_proj=layer.mlp.gate_up_proj.biases[0],
-                      up_proj=layer.mlp.gate_up_proj.biases[1], down_proj=layer.mlp.down_proj.biases[0])
+        projections = {("q_proj", "k_proj", "v_proj"): layer.self_attn.qkv_proj, ("o_proj",): layer.self_attn.o_proj,
+                       ("gate_proj", "up_proj"): layer.mlp.gate_up_proj, ("down_proj",): layer.mlp.down_proj}
+        weights, biases = {}, {}
+        for names, projection in projections.items():  # plain or quantized (then its exact values)
+            weights.update(zip(names, projection.dense_blocks(), strict=True))
+            biases.update(zip(names, projection.dense_biases(), strict=True))
         with torch.no_grad():
             for name, weight in weights.items():
                 module = getattr(self, name)
@@ -129,7 +128,8 @@ class TrainableHead(nn.Module):
         # Frozen copies of what the head borrows from the target (fp32: the loss is computed in it).
         self.register_buffer("embed", target.embed_tokens.weight.detach().float(), persistent=False)
         self.register_buffer("norm", target.norm.weight.detach().float(), persistent=False)
-        self.register_buffer("lm_head", target.lm_head.blocks[0][vocab_ids].detach().float(), persistent=False)
+        lm_head = target.lm_head.dense_blocks()[0][vocab_ids]
+        self.register_buffer("lm_head", lm_head.detach().float(), persistent=False)
         self.rotary = target.rotary
 
     def rope(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,9 +116,9 @@ class TrainingData:
 
 
 def prepare_data(target: str, settings: TrainSettings, generation: GenerationSettings,
-                 data: Sequence[Path] | None = None, dtype: str = "bfloat16", work_dir: Path | None = None,
+                 data: Sequence[Path] | None = None, dtype: str | None = None, work_dir: Path | None = None,
                  progress: bool = True, device: str = "auto", spec_bench: Path = SPEC_BENCH,
-                 budget: Budget | None = None) -> TrainingData:
+                 budget: Budget | None = None, quantization: str = "auto") -> TrainingData:
     """Generate (or reuse) the target's answers and extract (or reuse) its hidden states; each
     stage stops (`BudgetSpent`, its work so far saved) when `budget` runs out."""
     from specserve.config import EngineConfig
@@ -133,23 +133,25 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
     model_dir = resolve_model(target)
     name = Path(model_dir).name
     work = work_dir or cache_dir() / "train" / name
-    # Plain weights: a head starts from the target's own layer weights (specserve/training/heads.py).
+    # The target as `serve` runs it with the same dtype and quantization (by default: as served),
+    # so the head learns the answers and states it will draft for.
     engine = LLMEngine(model_dir, dtype, EngineConfig(max_num_seqs=128, max_num_batched_tokens=1024,
-                                                      speculation="off", quantization="none", device=device))
+                                                      speculation="off", quantization=quantization, device=device))
     model = engine.model
+    served = f"{name}-{model.weight_format()}-{model.dtype}"  # every cache below is of the target as it ran
     layer = settings.layer if settings.layer is not None else model.config.num_layers // 4
     if settings.kind == "early-exit" and not 0 < layer < model.config.num_layers:
         raise ValueError(f"early-exit layer {layer}: the target has {model.config.num_layers} layers; use 1.."
                          f"{model.config.num_layers - 1}")
     head_layer = layer if settings.kind == "early-exit" else model.config.num_layers
 
-    key = generation.key(files, name)
+    key = generation.key(files, served)
     instructions = load_instructions(files, generation.samples, generation.seed)
     examples = generate(engine, instructions, generation, work / f"answers-{key}.jsonl", progress=progress,
                         budget=budget)
     prompts: dict = {"gpteacher": len(instructions)}
     if generation.self_instruct:
-        written_file = work / cache_name(name, generation.seed)
+        written_file = work / cache_name(served, generation.seed)
         written, prompts["self_instruct"] = write_prompts(engine, generation.self_instruct, written_file, spec_bench,
                                                           generation.seed, progress=progress, budget=budget)
         answers_file = work / f"answers-{key}-{written_file.stem}.jsonl"  # answers by index: to these prompts only
@@ -175,7 +177,7 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
     generated = time.perf_counter()
     layers = sorted({head_layer, model.config.num_layers})
     counts = f"{generation.samples}-{generation.self_instruct}-{generation.follow_ups}-{len(examples)}"
-    states_file = work / f"states-{key}-{counts}-{model.dtype}-{'-'.join(map(str, layers))}.safetensors"
+    states_file = work / f"states-{key}-{counts}-{'-'.join(map(str, layers))}.safetensors"  # key: as it ran
     features = extract_saved(model, examples, layers, states_file, budget, progress=progress)
     return TrainingData(model, Path(model_dir), engine, features, layer, head_layer, files, len(examples),
                         generated - started, prompts, states_file)
@@ -183,8 +185,9 @@ def prepare_data(target: str, settings: TrainSettings, generation: GenerationSet
 
 def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
                   generation: GenerationSettings | None = None, data: Sequence[Path] | None = None,
-                  dtype: str = "bfloat16", work_dir: Path | None = None, progress: bool = True,
-                  device: str = "auto", spec_bench: Path = SPEC_BENCH, budget: Budget | None = None) -> HeadConfig:
+                  dtype: str | None = None, work_dir: Path | None = None, progress: bool = True,
+                  device: str = "auto", spec_bench: Path = SPEC_BENCH, budget: Budget | None = None,
+                  quantization: str = "auto") -> HeadConfig:
     """Generate (or reuse) the data, train a head, save it to `out`; returns its config. When
     `budget` runs out first, stops with `BudgetSpent`, everything done so far saved: the same
     call goes on from there."""
@@ -192,7 +195,7 @@ def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     prepared = prepare_data(target, settings, generation, data, dtype, work_dir, progress, device, spec_bench,
-                            budget)
+                            budget, quantization)
     model, features = prepared.model, prepared.features
     train_ids, val_ids = features.split(settings.validation, settings.seed)
     vocab_ids, coverage = draft_vocabulary(features, train_ids, settings.draft_vocab, model.config)
@@ -211,7 +214,7 @@ def train_drafter(target: str, out: Path, settings: TrainSettings | None = None,
             "draft_vocab_coverage": coverage, "epochs": [asdict(h) for h in history],
             "val_agreement": history[-1].val_agreement, "generate_seconds": round(prepared.generate_seconds, 1),
             "train_seconds": round(sum(h.seconds for h in history), 1), "wall_seconds": round(seconds, 1),
-            "dtype": str(model.dtype),
+            "dtype": str(model.dtype), "weights": model.weight_format(),
         })
     save_head(Path(out), config, head.tensors())
     checkpoint.unlink(missing_ok=True)  # the head is saved: nothing left to resume

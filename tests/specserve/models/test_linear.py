@@ -77,3 +77,19 @@ def test_int8_small_steps_approximate_and_large_steps_stay_exact(dtype, bias):
         assert (got.float() - expected).norm() / expected.norm() < 0.03
     x = torch.randn(LARGE_STEP_TOKENS, 96).to(dtype)
     assert torch.equal(proj(x), per_block(x, blocks, biases))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_blocks_give_each_weight_however_it_is_stored(bias):
+    """Plain: the blocks themselves. Quantized: their exact values, block by block (what a tool
+    copying a weight, such as a drafter head starting from a target layer, must see)."""
+    proj, blocks, biases = make([64, 32, 32], False, bias, dtype=torch.float32)
+    assert all(torch.equal(d, b) for d, b in zip(proj.dense_blocks(), blocks, strict=True))
+    proj.requantize(8)
+    dense = proj.dense_blocks()
+    assert [tuple(d.shape) for d in dense] == [(64, 96), (32, 96), (32, 96)]
+    exact = torch.cat([w.dequantize() for w in proj.quantized])
+    assert torch.equal(torch.cat(dense), exact)
+    assert torch.allclose(torch.cat(dense), torch.cat(blocks), atol=2e-3)  # int8 of values within +-0.25
+    for got, want in zip(proj.dense_biases(), biases or [None] * 3, strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)

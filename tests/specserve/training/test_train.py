@@ -114,6 +114,48 @@ def test_training_lowers_validation_loss_and_raises_agreement(peaked_chat_model,
     assert all(torch.equal(again[name], saved_tensors[name]) for name in again)
 
 
+def test_a_head_learns_from_the_target_as_it_is_served_quantized_weights_included(peaked_chat_model, instructions,
+                                                                                 tmp_path):
+    """Quantized weights (as a GGUF serves on a CPU by default): the answers and states are that
+    target's, the early-exit head starts from its layer's exact values, and it drafts for an
+    engine serving the same weights with greedy output unchanged."""
+    out, work = tmp_path / "head", tmp_path / "work"
+    generation = GenerationSettings(samples=16, max_new_tokens=16)
+    settings = TrainSettings(kind="early-exit", layer=1, epochs=1, batch_tokens=512, draft_vocab=512)
+    config = train_drafter(str(peaked_chat_model), out, settings, generation, data=[instructions], work_dir=work,
+                           progress=False, quantization="int8")
+    assert config.training["weights"] == "requantized blocks int8"
+
+    engine = LLMEngine(peaked_chat_model, None, EngineConfig(quantization="int8", speculation="off"))
+    layer = engine.model.layers[1]
+    fresh = TrainableHead(engine.model, "early-exit", 1, torch.arange(512)).layer
+    assert torch.equal(fresh.q_proj.weight, layer.self_attn.qkv_proj.dense_blocks()[0])
+    assert torch.equal(fresh.down_proj.weight, layer.mlp.down_proj.dense_blocks()[0])
+    # the answers cached are the quantized target's own greedy ones
+    cached = [json.loads(line) for line in next(work.glob("answers-*.jsonl")).read_text().splitlines()]
+    first = cached[0]
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    engine.add_request("0", first["prompt_ids"], greedy)
+    while engine.has_unfinished():
+        done = [o for o in engine.step() if o.finished]
+    assert list(done[0].outputs[0].token_ids) == first["output_ids"]
+
+    prompts = [[1, 504, 3115, 28, 253, 1935, 30], [1, 9690, 314, 253, 1789, 28]]
+    outputs = {}
+    for draft in ("none", f"early-exit:{out}"):
+        served = LLMEngine(peaked_chat_model, None, EngineConfig(quantization="int8", draft=draft, speculation="fixed",
+                                                                 max_tree_tokens=6, kv_cache_memory="16MiB"))
+        for i, p in enumerate(prompts):
+            served.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        finished = {}
+        while served.has_unfinished():
+            finished.update((o.request_id, list(o.outputs[0].token_ids)) for o in served.step() if o.finished)
+        outputs[draft] = finished
+        assert served.block_manager.num_free_blocks == served.block_manager.num_blocks
+    assert outputs["none"] == outputs[f"early-exit:{out}"]
+    assert served.metrics.spec.drafted_tokens > 0
+
+
 def test_a_conversation_is_answered_as_its_last_user_turn_in_context(peaked_chat_model, tmp_path):
     engine = LLMEngine(peaked_chat_model, "float32", EngineConfig(kv_cache_memory="16MiB"))
     conversation = [{"role": "user", "content": "Write two sentences about the sea."},
