@@ -1,8 +1,8 @@
 """The attention ops the model calls, dispatched to the Triton kernels, our C++ CPU kernel or
 the torch reference.
 
-Triton runs on CUDA tensors, the C++ kernel (`kernels.cpu_attention`) on fp32 and bf16 CPU tensors and
-the reference on other CPU tensors, unless the environment variable
+Triton runs on CUDA tensors, the C++ kernel (`kernels.cpu_attention`) on fp32, bf16 and int8 CPU
+caches and the reference on other CPU tensors, unless the environment variable
 `SPECSERVE_ATTENTION=triton|cpu|reference` forces one. Forcing `triton` on CPU runs
 the real kernels through Triton's interpreter, so the whole engine can run on the kernels
 anywhere (slowly). The variable is read on every call, so tests can flip it.
@@ -33,7 +33,7 @@ def backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
         return forced
     if device.type == "cuda":
         return "triton"
-    return "cpu" if dtype in (torch.float32, torch.bfloat16) else "reference"
+    return "cpu" if dtype in (torch.float32, torch.bfloat16, torch.int8) else "reference"
 
 
 def _implementation(device: torch.device, dtype: torch.dtype) -> ModuleType:

@@ -27,13 +27,42 @@ from kernels.metadata import AttentionMetadata
 KEY_ALIGN = 32
 
 
+# An int8 cache row (one token's K or V of one K/V head) is its head_dim int8 codes followed by
+# their scale, an fp16 in two bytes: the scale sits beside its codes, so anything that moves,
+# shares or counts rows (compaction, prefix caching, the block manager) needs no second tensor.
+INT8_SCALE_BYTES = 2
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The last dimension of a cache of `dtype`: head_dim values, plus the scale for int8."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows `[..., D]` as int8 cache rows `[..., D + 2]`: codes round(x / scale) with one
+    scale per row, fp16(max |x| / 127), stored after them."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / 127).half()
+    safe = torch.where(scale > 0, scale.float(), 1.0)
+    codes = torch.round(x.float() / safe).clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as K or V values in `dtype`: int8 rows as codes times their scale, others as they are."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float16).float()
+    return (rows[..., :-INT8_SCALE_BYTES].float() * scale).to(dtype)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter new K/V (`[T, Hkv, D]`) into their cache slots."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter new K/V (`[T, Hkv, D]`) into their cache slots (int8 caches: quantized per row)."""
+    num_kv_heads, width = k_cache.shape[-2:]
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        rows = quantize_kv(new) if cache.dtype == torch.int8 else new.to(cache.dtype)
+        cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, rows)
 
 
 def paged_tree_attention(
@@ -67,8 +96,9 @@ def _padded_attention(
     group = num_heads // num_kv_heads
     # index_select of whole blocks is ~3x faster than advanced indexing for this gather.
     blocks = meta.block_tables[:, : -(-seq_len // meta.block_size)].flatten()
-    keys = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
-    values = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
+    width = k_cache.shape[-1]
+    keys, values = (dequantize_kv(cache.index_select(0, blocks).view(batch, -1, num_kv_heads, width)[:, :seq_len],
+                                  q.dtype).transpose(1, 2) for cache in (k_cache, v_cache))
     aligned = -(-seq_len // KEY_ALIGN) * KEY_ALIGN
     if aligned > seq_len:  # zeros, not stale cache rows: a masked key must not bring a NaN
         keys = F.pad(keys, (0, 0, 0, aligned - seq_len))
@@ -83,7 +113,7 @@ def _padded_attention(
     # over the K/V heads, which CPU SDPA runs ~2x faster than its grouped-query path for trees.
     queries = queries.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * max_n, head_dim)
     out = F.scaled_dot_product_attention(
-        queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.additive_key_mask(q.dtype, group, aligned),
+        queries, keys, values, attn_mask=meta.additive_key_mask(q.dtype, group, aligned),
         scale=scale,
     )
     # (reshape: CUDA's SDPA may return [batch, kv heads, group x nodes, d] in another memory order)
@@ -96,11 +126,11 @@ def _causal_prefill(
 ) -> torch.Tensor:
     """A lone chain with an empty context: `is_causal` needs no mask (and is what transformers runs)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[-2]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping].transpose(0, 1)
-    values = v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping].transpose(0, 1)
+    num_kv_heads, width = k_cache.shape[-2:]
+    keys, values = (dequantize_kv(cache.view(-1, num_kv_heads, width)[meta.slot_mapping], q.dtype).transpose(0, 1)
+                    for cache in (k_cache, v_cache))
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
+        q.transpose(0, 1)[None], keys[None], values[None],
         is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads,
     )
     return out[0].transpose(0, 1).reshape(num_tokens, num_heads, head_dim)

@@ -288,6 +288,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"on a GPU of the whole GPU, weights and activations included (as vLLM's "
                         f"--gpu-memory-utilization); default {DEFAULT_KV_CACHE_MEMORY} on a CPU, "
                         f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default=None,
+                   help="the KV pool's element type: auto (default: the model's dtype); int8: codes with one "
+                        "fp16 scale per token and K/V head beside them, quantized as written and dequantized "
+                        "inside attention (about half of bf16's bytes: twice the tokens in --kv-cache-memory; "
+                        "CPU only so far)")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
                    help="auto (default): a GGUF model (every known model) serves its own quantized blocks with "
                         "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp; in float32: "
@@ -321,7 +326,8 @@ def engine_settings(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments: the --config file's settings, then the flags given."""
     settings = load_config_file(args.config) if args.config else {}
     for name in ("target", "draft", "speculation", "max_tree_tokens", "draft_top_k", "draft_beam", "draft_vocab",
-                 "draft_quantization", "quantization", "kv_cache_memory", "dtype", "block_size", "max_num_seqs",
+                 "draft_quantization", "quantization", "kv_cache_memory", "kv_cache_dtype", "dtype", "block_size",
+                 "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "device", "load_format",
                  "enforce_eager"):
         if getattr(args, name) is not None:

@@ -16,6 +16,7 @@ DEFAULT_KV_CACHE_MEMORY = "1GiB"  # the KV pool on a CPU, unless told
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 SPECULATION_MODES = ("adaptive", "fixed", "off")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")
 CPU_DRAFT_VOCAB = 32768  # draft models' scored tokens on a CPU, for vocabularies over twice this
 # The server's limits (`specserve serve`): larger request bodies get 413; more requests in the
 # engine (running or waiting) get 503.
@@ -59,6 +60,10 @@ class EngineConfig:
     # "auto": the model directory's weights; "dummy": random weights at its config.json's shape
     # (`specserve.models.dummy`), to measure speed where the weights cannot be fetched.
     load_format: str = "auto"
+    # The KV pool's element type: "auto" (the model's dtype) or "int8": codes with one fp16 scale
+    # per token and K/V head beside them (about half of bf16's bytes, a quarter of fp32's),
+    # quantized as written and dequantized inside attention; CPU only so far.
+    kv_cache_dtype: str = "auto"
     # On CUDA, small steps (decodes and verification trees up to 512 tokens) replay forwards
     # captured at start-up as CUDA graphs (`specserve.cuda_graphs`); True runs every step eagerly.
     enforce_eager: bool = False
@@ -101,6 +106,17 @@ class EngineConfig:
 
         parse_spec(self.draft)  # a bad spec fails here, before any model loads
         self.kv_cache_bytes  # validate early  # noqa: B018
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "int8" and self.torch_device.type != "cpu":
+            raise ValueError("kv_cache_dtype int8 runs on the CPU so far (its GPU kernel is not written yet): "
+                             "use --kv-cache-dtype auto on a GPU, or --device cpu")
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's element type for a model computing in `model_dtype`."""
+        import torch
+
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.int8
 
     def default_draft_vocab(self, device: torch.device) -> int | None:
         """What a large-vocabulary draft model scores when `draft_vocab` is not set (FR-Spec). On

@@ -94,7 +94,8 @@ class LLMEngine:
         self._parts: dict[str, Drafter] = {}  # every drafter part built so far, by spec (loaded once)
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
-        per_block = KVCache.bytes_per_block(model_config, block_size, self.model.dtype)
+        self.kv_dtype = self.config.kv_dtype(self.model.dtype)  # the target's pool (drafters keep their own dtype)
+        per_block = KVCache.bytes_per_block(model_config, block_size, self.kv_dtype)
         per_block += sum(d.kv_bytes_per_block(block_size, model_config, self.model.dtype)
                          for d in self._parts.values() if isinstance(d, OwnsKV))
         self.kv_bytes_per_block = per_block  # the target's K/V and every drafter's own
@@ -104,7 +105,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv cache memory of {kv_bytes} bytes holds no block "
                              f"({per_block} bytes each): raise --kv-cache-memory")
-        self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.model.dtype, device)
+        self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.kv_dtype, device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.policy: SpeculationPolicy = AdaptivePolicy() if self.config.speculation == "adaptive" else FixedPolicy()
         self.scheduler = Scheduler(self.config, self.block_manager, self.policy)
@@ -145,9 +146,9 @@ class LLMEngine:
         logger.info("serving %s on %s: %s weights, %s activations, kernels %s, drafter %s", self.model_path.name,
                     self.info["device"], self.info["weights"], self.info["dtype"], self.info["kernels"],
                     self.info["drafter"])
-        logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s); max_model_len %d", num_blocks,
-                    block_size, self.num_kv_tokens, num_blocks * per_block / 2**20, self.model.dtype,
-                    self.max_model_len)
+        logger.info("KV cache: %d blocks x %d = %d tokens (%.0f MiB, %s, %d bytes a token); max_model_len %d",
+                    num_blocks, block_size, self.num_kv_tokens, num_blocks * per_block / 2**20,
+                    self.info["kv_cache_dtype"], per_block // block_size, self.max_model_len)
 
     def _gpu_kv_bytes(self, device: torch.device, fraction: float) -> int:
         """The KV pool's bytes on a GPU: `fraction` of its memory less what the weights (drafters'
@@ -155,7 +156,7 @@ class LLMEngine:
         tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
         block_size = self.config.block_size
         blocks = -(-tokens // block_size)
-        scratch = KVCache.for_model(self.model.config, blocks, block_size, self.model.dtype, device)
+        scratch = KVCache.for_model(self.model.config, blocks, block_size, self.kv_dtype, device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         ModelRunner(self.model, scratch).forward([TreeRequest(TokenTree.chain([0] * tokens), 0, list(range(blocks)))])
@@ -200,7 +201,7 @@ class LLMEngine:
         name = processor_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
         return {"cpu": processor_name(), "device": f"{device.type}: {name}",
                 "dtype": str(self.model.dtype).removeprefix("torch."), "weights": weights, "kernels": kernels,
-                "drafter": self.config.draft}
+                "drafter": self.config.draft, "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
 
     # -- requests ---------------------------------------------------------------------------------
 

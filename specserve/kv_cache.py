@@ -1,4 +1,5 @@
-"""Paged KV storage: per layer `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V.
+"""Paged KV storage: per layer `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V
+(an int8 cache: `head_dim + 2`, each row's fp16 scale after its codes, `kernels.reference`).
 
 All layers live in one tensor each for K and V, so committing an accepted path (moving its
 K/V to contiguous slots) is one indexed copy across every layer. Which blocks a request
@@ -13,6 +14,7 @@ import mmap
 import torch
 
 from kernels import ops
+from kernels.reference import row_width
 from specserve.models.config import ModelConfig
 
 
@@ -27,7 +29,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
         self.k = _lazily_zeroed(shape, dtype, device)
         self.v = _lazily_zeroed(shape, dtype, device)
         self.block_size = block_size
@@ -41,7 +43,7 @@ class KVCache:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+        return 2 * config.num_layers * block_size * config.num_kv_heads * row_width(config.head_dim, dtype) * element
 
     @property
     def num_blocks(self) -> int:

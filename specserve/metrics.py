@@ -86,12 +86,16 @@ class ServerMetrics:
 
         escape = lambda v: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")  # noqa: E731
         labels = ",".join(f'{key}="{escape(value)}"' for key, value in engine.info.items())
-        metric("engine_info", "gauge", "What the engine runs: CPU, dtype, weight format, kernels, default drafter.",
+        metric("engine_info", "gauge", "What the engine runs: CPU, dtype, weight format, kernels, default drafter, "
+               "KV cache dtype.",
                [f"{{{labels}}} 1"])
         metric("num_requests_running", "gauge", "Sequences running in the engine.", len(scheduler.running))
         metric("num_requests_waiting", "gauge", "Sequences waiting to run.", len(scheduler.waiting))
         metric("kv_cache_usage_perc", "gauge", "Share of KV blocks held by requests (1 = all).",
                1.0 - blocks.num_free_blocks / blocks.num_blocks)
+        metric("kv_cache_blocks", "gauge", "KV blocks in the pool.", blocks.num_blocks)
+        metric("kv_cache_bytes_per_token", "gauge", "Pool bytes a token takes (the target's K/V in the pool's "
+               "dtype, scales included, and drafters' own).", engine.kv_bytes_per_block // engine.config.block_size)
         metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
                self.prefix_cache_queries)
         metric("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", self.prefix_cache_hits)

@@ -10,7 +10,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -21,16 +24,32 @@ inline void rotate(const float* src, const float* cos, const float* sin, int64_t
   for (int64_t d = half; d < D; ++d) dst[d] = src[d] * cos[d] + src[d - half] * sin[d];
 }
 
+constexpr int64_t kScaleBytes = 2;  // an int8 cache row: D codes, then their fp16 scale
+
+// One K or V row of D values into an int8 cache row, as kernels/reference.py's quantize_kv: scale
+// fp16(max |x| / 127), codes round-half-even(x / scale) within +-127 (the same bits).
+inline void quantize_row(const float* x, int64_t D, int8_t* row) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const c10::Half scale(amax / 127.f);
+  const float safe = static_cast<float>(scale) > 0.f ? static_cast<float>(scale) : 1.f;
+  for (int64_t d = 0; d < D; ++d)
+    row[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / safe))));
+  const uint16_t bits = scale.x;
+  std::memcpy(row + D, &bits, sizeof(bits));
+}
+
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                          int64_t num_kv_heads) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "rope_write_kv: float32 only");
+                  (k_cache.scalar_type() == at::kFloat || int8) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "rope_write_kv: float32 activations into float32 or int8 caches");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
-              "rope_write_kv: caches must be contiguous [blocks, block_size, Hkv, D]");
-  const int64_t T = qkv.size(0), D = k_cache.size(3);
+              "rope_write_kv: caches must be contiguous [blocks, block_size, Hkv, D] (int8: D + 2)");
+  const int64_t W = k_cache.size(3), T = qkv.size(0), D = int8 ? W - kScaleBytes : W;
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && D % 2 == 0, "rope_write_kv: cache heads do not fit");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
               "rope_write_kv: qkv must be [T, (heads + 2 kv_heads) * head_dim]");
@@ -45,20 +64,30 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const float* sp = s.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
   const int64_t width = (num_heads + 2 * num_kv_heads) * D, kv_width = num_kv_heads * D;
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < total_slots, "rope_write_kv: slot ", slot[t], " outside the cache");
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(D);
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * width;
       const float* ct = cp + t * D;
       const float* st = sp + t * D;
       for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * D, ct, st, D, qp + (t * num_heads + h) * D);
-      float* k_slot = kp + slot[t] * kv_width;
-      for (int64_t h = 0; h < num_kv_heads; ++h) rotate(row + (num_heads + h) * D, ct, st, D, k_slot + h * D);
-      std::memcpy(vp + slot[t] * kv_width, row + (num_heads + num_kv_heads) * D, kv_width * sizeof(float));
+      const float* v_row = row + (num_heads + num_kv_heads) * D;
+      if (int8) {
+        int8_t* k_slot = k_cache.data_ptr<int8_t>() + slot[t] * num_kv_heads * W;
+        int8_t* v_slot = v_cache.data_ptr<int8_t>() + slot[t] * num_kv_heads * W;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          rotate(row + (num_heads + h) * D, ct, st, D, rotated.data());
+          quantize_row(rotated.data(), D, k_slot + h * W);
+          quantize_row(v_row + h * D, D, v_slot + h * W);
+        }
+      } else {
+        float* k_slot = k_cache.data_ptr<float>() + slot[t] * kv_width;
+        for (int64_t h = 0; h < num_kv_heads; ++h) rotate(row + (num_heads + h) * D, ct, st, D, k_slot + h * D);
+        std::memcpy(v_cache.data_ptr<float>() + slot[t] * kv_width, v_row, kv_width * sizeof(float));
+      }
     }
   });
   return q;

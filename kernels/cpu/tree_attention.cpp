@@ -1,5 +1,6 @@
 // Tree attention over the paged KV cache on the CPU, one query row at a time: fp32 arithmetic over
-// fp32 or bf16 queries and caches (bf16 values widened exactly on load, the result rounded once).
+// fp32 or bf16 queries and caches (bf16 values widened exactly on load, the result rounded once),
+// or int8 caches (each row's codes times its scale, staged in fp32 per work item).
 //
 // Why: a query's result must not depend on the other queries of the step. CPU SDPA tiles its
 // queries and keys by the call's shape, so the same token decoded alone and verified as a tree
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -153,16 +155,36 @@ const float* as_float(const T* rows, int64_t n, std::vector<float>& staged) {
   }
 }
 
-template <typename T>
+// An int8 cache row: head_dim codes, then their fp16 scale in two bytes (kernels/reference.py).
+constexpr int64_t kScaleBytes = 2;
+
+// The int8 rows at `slots` as fp32 values, code * scale rounded once (as the reference
+// dequantizes), into rows 0.. of `staged`: the fp32 paths then run over them unchanged.
+void dequantize_rows(const int8_t* base, int64_t row_stride, const int64_t* slots, int64_t keys, int64_t D,
+                     std::vector<float>& staged) {
+  staged.resize(keys * D);
+  for (int64_t i = 0; i < keys; ++i) {
+    const int8_t* row = base + slots[i] * row_stride;
+    uint16_t bits;
+    std::memcpy(&bits, row + D, sizeof(bits));
+    const float scale = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    float* dst = staged.data() + i * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(row[d]) * scale;
+  }
+}
+
+// T: the queries' (and output's) type; C: the caches' (T itself, or int8 rows with their scales).
+template <typename T, typename C>
 void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& starts,
             const at::Tensor& ctx, const at::Tensor& tables, const at::Tensor& mask, float scale, at::Tensor& out) {
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   const int64_t tokens = qc.size(0), Hq = qc.size(1), D = qc.size(2);
-  const int64_t block_size = kc.size(1), Hkv = kc.size(2);
+  const int64_t block_size = kc.size(1), Hkv = kc.size(2), W = kc.size(3);  // W: a cache row's elements
   const int64_t B = ctx.size(0), max_blocks = tables.size(1), max_n = mask.size(1);
   const int64_t group = Hq / Hkv;
   const T* qp = qc.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
+  const C* kp = kc.data_ptr<C>();
+  const C* vp = vc.data_ptr<C>();
   const int64_t* sp = starts.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -185,6 +207,8 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
     std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its items
     std::vector<float> scores;  // [heads of the part][keys + kExpPad]
     std::vector<float> staged_q, staged_row, sums;  // fp32 copies where T is not fp32
+    std::vector<float> staged_kv;  // int8 caches: the item's visible K (then V) rows in fp32
+    std::vector<int64_t> in_order;  // 0, 1, ...: the staged rows' slots
     int64_t slots_of = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / (Hkv * parts), kv_head = item / parts % Hkv, part = item % parts;
@@ -206,10 +230,24 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
       const int64_t keys = static_cast<int64_t>(slots.size()), stride = keys + specserve::kExpPad;
       scores.resize(heads * stride);
       const float* qrows = as_float(qp + (t * Hq + first) * D, heads * D, staged_q);
-      const T* kbase = kp + kv_head * D;
-      if (!head_scores(D, qrows, kbase, Hkv * D, slots.data(), keys, heads, scale, scores.data(), stride)) {
+      // The K and V rows the item reads: in the cache (fp32, bf16), or staged dequantized (int8)
+      using Row = std::conditional_t<kInt8, float, C>;
+      const Row* kbase;
+      const int64_t* key_slots = slots.data();
+      int64_t row_stride = Hkv * W;
+      if constexpr (kInt8) {
+        dequantize_rows(kp + kv_head * W, Hkv * W, slots.data(), keys, D, staged_kv);
+        if (static_cast<int64_t>(in_order.size()) < keys)
+          for (int64_t i = static_cast<int64_t>(in_order.size()); i < keys; ++i) in_order.push_back(i);
+        kbase = staged_kv.data();
+        key_slots = in_order.data();
+        row_stride = D;
+      } else {
+        kbase = kp + kv_head * D;
+      }
+      if (!head_scores(D, qrows, kbase, row_stride, key_slots, keys, heads, scale, scores.data(), stride)) {
         for (int64_t i = 0; i < keys; ++i) {
-          const float* krow = as_float(kbase + slots[i] * Hkv * D, D, staged_row);
+          const float* krow = as_float(kbase + key_slots[i] * row_stride, D, staged_row);
           for (int64_t h = 0; h < heads; ++h)
             scores[h * stride + i] = specserve::fixed_order_dot(qrows + h * D, krow, D) * scale;
         }
@@ -229,11 +267,17 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
         sums.resize(heads * D);
         orows = sums.data();
       }
-      const T* vbase = vp + kv_head * D;
-      if (!head_values(D, scores.data(), stride, vbase, Hkv * D, slots.data(), keys, heads, orows)) {
+      const Row* vbase;
+      if constexpr (kInt8) {
+        dequantize_rows(vp + kv_head * W, Hkv * W, slots.data(), keys, D, staged_kv);
+        vbase = staged_kv.data();
+      } else {
+        vbase = vp + kv_head * D;
+      }
+      if (!head_values(D, scores.data(), stride, vbase, row_stride, key_slots, keys, heads, orows)) {
         std::fill(orows, orows + heads * D, 0.f);
         for (int64_t i = 0; i < keys; ++i) {
-          const float* vrow = as_float(vbase + slots[i] * Hkv * D, D, staged_row);
+          const float* vrow = as_float(vbase + key_slots[i] * row_stride, D, staged_row);
           for (int64_t h = 0; h < heads; ++h) {
             const float weight = scores[h * stride + i];
             float* orow = orows + h * D;
@@ -255,12 +299,13 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
                           const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                           const at::Tensor& block_tables, const at::Tensor& ancestor_mask, double scale) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
-                  v_cache.scalar_type() == dtype,
-              "tree_attention: queries and caches all float32 or all bfloat16");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  (k_cache.scalar_type() == dtype || int8) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "tree_attention: float32 or bfloat16 queries over caches of their dtype or int8");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D]");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D] (int8: D + 2)");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8 ? kScaleBytes : 0) && q.size(1) % k_cache.size(2) == 0,
               "tree_attention: head sizes do not fit");
   const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const at::Tensor starts = query_start_loc.to(at::kLong).contiguous(), ctx = context_lens.to(at::kLong).contiguous();
@@ -268,10 +313,14 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const at::Tensor mask = ancestor_mask.to(at::kBool).contiguous();
   at::Tensor out = at::empty_like(qc);
   const float fscale = static_cast<float>(scale);
-  if (dtype == at::kFloat)
-    attend<float>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+  if (dtype == at::kFloat && int8)
+    attend<float, int8_t>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+  else if (dtype == at::kFloat)
+    attend<float, float>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+  else if (int8)
+    attend<BFloat16, int8_t>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
   else
-    attend<BFloat16>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+    attend<BFloat16, BFloat16>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
   return out;
 }
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_attention, ops
+from kernels import cpu_attention, ops, reference
 from kernels.metadata import AttentionMetadata
 from specserve.tree import TokenTree
 from tests.kernels.test_reference import check_against_dense, make_case, paged_cache, random_tree
@@ -69,12 +69,59 @@ def test_fp32_and_bf16_cpu_tensors_take_this_kernel_and_fp16_the_reference(monke
     monkeypatch.delenv("SPECSERVE_ATTENTION", raising=False)
     assert ops.backend(torch.device("cpu"), torch.float32) == "cpu"
     assert ops.backend(torch.device("cpu"), torch.bfloat16) == "cpu"
+    assert ops.backend(torch.device("cpu"), torch.int8) == "cpu"
     assert ops.backend(torch.device("cpu"), torch.float16) == "reference"
+
+
+def int8_cache(values: torch.Tensor) -> torch.Tensor:
+    """A float cache `[..., D]` as int8 cache rows `[..., D + 2]` (codes and their scale)."""
+    return reference.quantize_kv(values)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # the vector paths and the portable loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_caches_are_attended_as_their_dequantized_values(seed, head_dim, dtype):
+    """Over int8 caches the kernel computes exactly what it computes over the caches' values
+    (codes times scales, as the reference dequantizes) held in fp32: same arithmetic, same bits."""
+    rng = random.Random(seed)
+    requests = [(rng.randrange(0, 90), random_tree(rng, rng.randrange(1, 9), "random")) for _ in range(3)]
+    tables, k_cache, v_cache = paged_cache(rng, requests, 16, 2, head_dim, torch.float32)
+    k8, v8 = int8_cache(k_cache * 3), int8_cache(v_cache)
+    assert k8.dtype == torch.int8 and k8.shape[-1] == head_dim + 2
+    q = torch.randn(sum(len(t) for _, t in requests), 6, head_dim).to(dtype)
+    trees, contexts = [t for _, t in requests], [c for c, _ in requests]
+    got = attend(trees, contexts, tables, k8, v8, q, block_size=16)
+    values = attend(trees, contexts, tables, reference.dequantize_kv(k8, torch.float32),
+                    reference.dequantize_kv(v8, torch.float32), q.float(), block_size=16)
+    assert got.dtype == dtype and torch.equal(got, values.to(dtype))
+
+
+def test_int8_caches_stay_near_the_values_they_quantize():
+    """Codes within half a step of each value: one scale per row, max |x| / 127."""
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    rows = int8_cache(x)
+    step = x.abs().amax(dim=-1, keepdim=True) / 127
+    assert ((reference.dequantize_kv(rows, torch.float32) - x).abs() <= step * 0.5 + 1e-3 * step).all()
+    assert torch.equal(reference.dequantize_kv(int8_cache(torch.zeros(2, 64)), torch.float32), torch.zeros(2, 64))
+
+
+def test_a_tree_node_over_an_int8_cache_gets_the_bits_of_the_same_token_decoded_alone():
+    """What makes speculation lossless over int8 caches: a row's result depends on its keys only."""
+    rng = random.Random(5)
+    tree = TokenTree((1, 2, 3, 4, 5, 6), (-1, 0, 0, 1, 1, 2))
+    requests = [(37, tree), (50, random_tree(rng, 7, "random"))]
+    tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, 64, torch.float32)
+    k8, v8 = int8_cache(k_cache), int8_cache(v_cache)
+    q = torch.randn(sum(len(t) for _, t in requests), 8, 64)
+    together = attend([t for _, t in requests], [c for c, _ in requests], tables, k8, v8, q)
+    alone = attend([tree], [37], tables[:1], k8, v8, q[: len(tree)])
+    assert torch.equal(together[: len(tree)], alone)
 
 
 def test_mixed_dtypes_are_refused_with_a_message():
     rng = random.Random(0)
     requests = [(5, TokenTree.single(1))]
     tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, 64, torch.float32)
-    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 queries over caches of their dtype or int8"):
         attend([TokenTree.single(1)], [5], tables, k_cache, v_cache, torch.randn(1, 4, 64).bfloat16())

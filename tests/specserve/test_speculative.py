@@ -107,6 +107,23 @@ def test_greedy_speculation_equals_plain_decoding(smollm2_path, smollm2_draft_pa
         assert sum(o.metrics.num_preemptions for o in outputs) > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["merged-lookups", "feature-head"])
+def test_greedy_speculation_over_an_int8_kv_cache_equals_plain_decoding_over_it(smollm2_path, spec_bench, drafter):
+    """Lossless against the model as served: with an int8 KV cache, speculation gives plain
+    decoding's tokens over the same int8 cache (a head keeps its own K/V in the model's dtype)."""
+    prompts, _, categories = spec_bench
+    chosen = [prompts[i] for i, c in enumerate(categories) if c not in categories[:i]]  # one per category
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    plain_engine = make_engine(smollm2_path, kv_cache_memory="64MiB", kv_cache_dtype="int8", speculation="off")
+    assert plain_engine.kv_cache.k.dtype == torch.int8
+    plain = tokens_of(run_batch(plain_engine, chosen, greedy))
+    engine = make_engine(smollm2_path, **{**DRAFTERS[drafter], "kv_cache_memory": "64MiB", "kv_cache_dtype": "int8"})
+    assert tokens_of(run_batch(engine, chosen, greedy)) == plain
+    assert engine.metrics.spec.accepted_tokens > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def row_variant_projection(model: torch.nn.Module, step_sizes) -> str | None:
     """A projection of `model` whose output row depends on the other rows of the step (oneDNN picks
     its blocking by the number of rows, and on some CPUs, e.g. AMD EPYC with AVX512-BF16, that
