@@ -224,12 +224,13 @@ def test_metrics_count_requests_latencies_and_speculation_in_prometheus_format(s
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
                  "prefix_cache_hits", "generation_tokens_total", "time_per_output_token_seconds_bucket",
                  "e2e_request_latency_seconds_sum", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                 "spec_decode_num_accepted_tokens"):
+                 "spec_decode_num_accepted_tokens", "kv_cache_blocks", "kv_cache_bytes_per_token"):
         assert f"specserve:{name}" in text
     assert "# TYPE specserve:time_to_first_token_seconds histogram" in text
     # what runs: the tiny model's plain fp32 weights, our fp32 attention kernel, its drafter
     info = next(line for line in text.splitlines() if line.startswith("specserve:engine_info{"))
     assert 'dtype="float32"' in info and 'weights="plain float32"' in info and 'drafter="ngram"' in info
+    assert 'kv_cache_dtype="float32"' in info
     assert 'kernels="specserve-cpu ' in info and 'cpu="' in info and info.endswith("} 1")
 
 
