@@ -72,7 +72,8 @@ def main() -> None:
     rows = [[category, f"{statistics.mean(s):.0%}", f"{min(s):.0%}"] for category, s in shares.items()]
     mean = statistics.mean(statistics.mean(s) for s in shares.values())
     rows.append(["**mean**", f"**{mean:.0%}**", f"{min(min(s) for s in shares.values()):.0%}"])
-    caption = (f"Greedy replies of {args.model} ({args.quantization} weights) over a {args.kv_cache_dtype} KV cache "
+    weights = "plain weights" if args.quantization == "none" else f"weights as served ({args.quantization})"
+    caption = (f"Greedy replies of {args.model} ({weights}) over an {args.kv_cache_dtype} KV cache "
                f"against the same over its own-dtype cache: the share of a reply before its first differing token, "
                f"mean and lowest per Spec-Bench category ({args.per_category} first turns each, {args.max_tokens} "
                f"tokens, no speculation, {processor_name()}); {identical} of {len(prompts)} replies identical.")
