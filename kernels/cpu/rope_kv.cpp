@@ -68,7 +68,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < total_slots, "rope_write_kv: slot ", slot[t], " outside the cache");
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated(D);
+    std::vector<float> rotated(int8 ? D : 0);  // a rotated K row, before it is quantized
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * width;
       const float* ct = cp + t * D;
