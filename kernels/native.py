@@ -70,7 +70,7 @@ def build_key() -> str:
     except OSError:
         pass
     digest = hashlib.sha256()
-    sources = [*SOURCES, SOURCES[0].parent / "fixed_order.h", SOURCES[0].parent / "int8_rows.h"]
+    sources = [*SOURCES, *(SOURCES[0].parent / h for h in ("fixed_order.h", "int8_rows.h", "kv_int8.h"))]
     for part in (flags, *_cflags(), *(s.read_text() for s in sources), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

@@ -10,10 +10,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "kv_int8.h"
 
 namespace {
 
@@ -22,21 +22,6 @@ inline void rotate(const float* src, const float* cos, const float* sin, int64_t
   const int64_t half = D / 2;
   for (int64_t d = 0; d < half; ++d) dst[d] = src[d] * cos[d] - src[d + half] * sin[d];
   for (int64_t d = half; d < D; ++d) dst[d] = src[d] * cos[d] + src[d - half] * sin[d];
-}
-
-constexpr int64_t kScaleBytes = 2;  // an int8 cache row: D codes, then their fp16 scale
-
-// One K or V row of D values into an int8 cache row, as kernels/reference.py's quantize_kv: scale
-// fp16(max |x| / 127), codes round-half-even(x / scale) within +-127 (the same bits).
-inline void quantize_row(const float* x, int64_t D, int8_t* row) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const c10::Half scale(amax / 127.f);
-  const float safe = static_cast<float>(scale) > 0.f ? static_cast<float>(scale) : 1.f;
-  for (int64_t d = 0; d < D; ++d)
-    row[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / safe))));
-  const uint16_t bits = scale.x;
-  std::memcpy(row + D, &bits, sizeof(bits));
 }
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -49,7 +34,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "rope_write_kv: caches must be contiguous [blocks, block_size, Hkv, D] (int8: D + 2)");
-  const int64_t W = k_cache.size(3), T = qkv.size(0), D = int8 ? W - kScaleBytes : W;
+  const int64_t W = k_cache.size(3), T = qkv.size(0), D = int8 ? W - specserve::kKvScaleBytes : W;
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && D % 2 == 0, "rope_write_kv: cache heads do not fit");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
               "rope_write_kv: qkv must be [T, (heads + 2 kv_heads) * head_dim]");
@@ -80,8 +65,8 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
         int8_t* v_slot = v_cache.data_ptr<int8_t>() + slot[t] * num_kv_heads * W;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           rotate(row + (num_heads + h) * D, ct, st, D, rotated.data());
-          quantize_row(rotated.data(), D, k_slot + h * W);
-          quantize_row(v_row + h * D, D, v_slot + h * W);
+          specserve::quantize_kv_row(rotated.data(), D, k_slot + h * W);
+          specserve::quantize_kv_row(v_row + h * D, D, v_slot + h * W);
         }
       } else {
         float* k_slot = k_cache.data_ptr<float>() + slot[t] * kv_width;

@@ -17,12 +17,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "fixed_order.h"
+#include "kv_int8.h"
 
 namespace {
 
@@ -155,22 +155,12 @@ const float* as_float(const T* rows, int64_t n, std::vector<float>& staged) {
   }
 }
 
-// An int8 cache row: head_dim codes, then their fp16 scale in two bytes (kernels/reference.py).
-constexpr int64_t kScaleBytes = 2;
-
-// The int8 rows at `slots` as fp32 values, code * scale rounded once (as the reference
-// dequantizes), into rows 0.. of `staged`: the fp32 paths then run over them unchanged.
+// The int8 rows at `slots` as fp32 values into rows 0.. of `staged`: the fp32 paths then run
+// over them unchanged.
 void dequantize_rows(const int8_t* base, int64_t row_stride, const int64_t* slots, int64_t keys, int64_t D,
                      std::vector<float>& staged) {
   staged.resize(keys * D);
-  for (int64_t i = 0; i < keys; ++i) {
-    const int8_t* row = base + slots[i] * row_stride;
-    uint16_t bits;
-    std::memcpy(&bits, row + D, sizeof(bits));
-    const float scale = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-    float* dst = staged.data() + i * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(row[d]) * scale;
-  }
+  for (int64_t i = 0; i < keys; ++i) specserve::dequantize_kv_row(base + slots[i] * row_stride, D, staged.data() + i * D);
 }
 
 // T: the queries' (and output's) type; C: the caches' (T itself, or int8 rows with their scales).
@@ -230,21 +220,21 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
       const int64_t keys = static_cast<int64_t>(slots.size()), stride = keys + specserve::kExpPad;
       scores.resize(heads * stride);
       const float* qrows = as_float(qp + (t * Hq + first) * D, heads * D, staged_q);
-      // The K and V rows the item reads: in the cache (fp32, bf16), or staged dequantized (int8)
+      // The K or V rows the item reads: in the cache (fp32, bf16), or staged dequantized (int8),
+      // found at `key_slots` rows of `row_stride`
       using Row = std::conditional_t<kInt8, float, C>;
-      const Row* kbase;
-      const int64_t* key_slots = slots.data();
-      int64_t row_stride = Hkv * W;
-      if constexpr (kInt8) {
-        dequantize_rows(kp + kv_head * W, Hkv * W, slots.data(), keys, D, staged_kv);
-        if (static_cast<int64_t>(in_order.size()) < keys)
-          for (int64_t i = static_cast<int64_t>(in_order.size()); i < keys; ++i) in_order.push_back(i);
-        kbase = staged_kv.data();
-        key_slots = in_order.data();
-        row_stride = D;
-      } else {
-        kbase = kp + kv_head * D;
-      }
+      auto rows_of = [&](const C* cache) -> const Row* {
+        if constexpr (kInt8) {
+          dequantize_rows(cache + kv_head * W, Hkv * W, slots.data(), keys, D, staged_kv);
+          return staged_kv.data();
+        } else {
+          return cache + kv_head * D;
+        }
+      };
+      for (int64_t i = static_cast<int64_t>(in_order.size()); kInt8 && i < keys; ++i) in_order.push_back(i);
+      const int64_t* key_slots = kInt8 ? in_order.data() : slots.data();
+      const int64_t row_stride = kInt8 ? D : Hkv * W;
+      const Row* kbase = rows_of(kp);
       if (!head_scores(D, qrows, kbase, row_stride, key_slots, keys, heads, scale, scores.data(), stride)) {
         for (int64_t i = 0; i < keys; ++i) {
           const float* krow = as_float(kbase + key_slots[i] * row_stride, D, staged_row);
@@ -267,13 +257,7 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
         sums.resize(heads * D);
         orows = sums.data();
       }
-      const Row* vbase;
-      if constexpr (kInt8) {
-        dequantize_rows(vp + kv_head * W, Hkv * W, slots.data(), keys, D, staged_kv);
-        vbase = staged_kv.data();
-      } else {
-        vbase = vp + kv_head * D;
-      }
+      const Row* vbase = rows_of(vp);  // (int8: over the staged K rows, no longer read)
       if (!head_values(D, scores.data(), stride, vbase, row_stride, key_slots, keys, heads, orows)) {
         std::fill(orows, orows + heads * D, 0.f);
         for (int64_t i = 0; i < keys; ++i) {
@@ -305,7 +289,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
               "tree_attention: float32 or bfloat16 queries over caches of their dtype or int8");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D] (int8: D + 2)");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8 ? kScaleBytes : 0) && q.size(1) % k_cache.size(2) == 0,
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8 ? specserve::kKvScaleBytes : 0) && q.size(1) % k_cache.size(2) == 0,
               "tree_attention: head sizes do not fit");
   const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const at::Tensor starts = query_start_loc.to(at::kLong).contiguous(), ctx = context_lens.to(at::kLong).contiguous();
