@@ -14,6 +14,7 @@ from specserve.config import (
     DEFAULT_KV_CACHE_MEMORY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUED_REQUESTS,
+    KV_CACHE_DTYPES,
     SPECULATION_MODES,
     load_config_file,
 )
@@ -288,11 +289,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"on a GPU of the whole GPU, weights and activations included (as vLLM's "
                         f"--gpu-memory-utilization); default {DEFAULT_KV_CACHE_MEMORY} on a CPU, "
                         f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default=None,
-                   help="the KV pool's element type: auto (default: the model's dtype); int8: codes with one "
-                        "fp16 scale per token and K/V head beside them, quantized as written and dequantized "
-                        "inside attention (about half of bf16's bytes: twice the tokens in --kv-cache-memory; "
-                        "CPU only so far)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                   help="the KV pool's element type: auto (default: the model's dtype); fp32 or bf16; int8: codes "
+                        "with one fp16 scale per token and K/V head beside them, quantized as written and "
+                        "dequantized inside attention (about half of bf16's bytes: twice the tokens in "
+                        "--kv-cache-memory); fp8 (e4m3, GPUs with fp8 only): the same bytes, no scales")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,
                    help="auto (default): a GGUF model (every known model) serves its own quantized blocks with "
                         "specserve's CPU kernel (activations in int8 per block of 32, as llama.cpp; in float32: "

@@ -16,7 +16,7 @@ DEFAULT_KV_CACHE_MEMORY = "1GiB"  # the KV pool on a CPU, unless told
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 SPECULATION_MODES = ("adaptive", "fixed", "off")
 DRAFT_QUANTIZATIONS = ("int8", "int4")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "int8", "fp8")
 CPU_DRAFT_VOCAB = 32768  # draft models' scored tokens on a CPU, for vocabularies over twice this
 # The server's limits (`specserve serve`): larger request bodies get 413; more requests in the
 # engine (running or waiting) get 503.
@@ -108,15 +108,16 @@ class EngineConfig:
         self.kv_cache_bytes  # validate early  # noqa: B018
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
-        if self.kv_cache_dtype == "int8" and self.torch_device.type != "cpu":
-            raise ValueError("kv_cache_dtype int8 runs on the CPU so far (its GPU kernel is not written yet): "
-                             "use --kv-cache-dtype auto on a GPU, or --device cpu")
+        if self.kv_cache_dtype == "fp8" and self.torch_device.type != "cuda":
+            raise ValueError("kv_cache_dtype fp8 needs a GPU with fp8 (compute capability 8.9 or newer): "
+                             "on a CPU use --kv-cache-dtype int8 (the same bytes per token)")
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV pool's element type for a model computing in `model_dtype`."""
         import torch
 
-        return model_dtype if self.kv_cache_dtype == "auto" else torch.int8
+        named = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+        return named.get(self.kv_cache_dtype, model_dtype)
 
     def default_draft_vocab(self, device: torch.device) -> int | None:
         """What a large-vocabulary draft model scores when `draft_vocab` is not set (FR-Spec). On

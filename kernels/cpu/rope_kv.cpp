@@ -27,10 +27,11 @@ inline void rotate(const float* src, const float* cos, const float* sin, int64_t
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                          int64_t num_kv_heads) {
-  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const auto kind = k_cache.scalar_type();
+  const bool int8 = kind == at::kChar;
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  (k_cache.scalar_type() == at::kFloat || int8) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "rope_write_kv: float32 activations into float32 or int8 caches");
+                  (kind == at::kFloat || kind == at::kBFloat16 || int8) && v_cache.scalar_type() == kind,
+              "rope_write_kv: float32 activations into float32, bfloat16 or int8 caches");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "rope_write_kv: caches must be contiguous [blocks, block_size, Hkv, D] (int8: D + 2)");
@@ -53,7 +54,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < total_slots, "rope_write_kv: slot ", slot[t], " outside the cache");
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated(int8 ? D : 0);  // a rotated K row, before it is quantized
+    std::vector<float> rotated(kind == at::kFloat ? 0 : D);  // a rotated K row, before it is rounded
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * width;
       const float* ct = cp + t * D;
@@ -68,6 +69,14 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
           specserve::quantize_kv_row(rotated.data(), D, k_slot + h * W);
           specserve::quantize_kv_row(v_row + h * D, D, v_slot + h * W);
         }
+      } else if (kind == at::kBFloat16) {  // rounded to nearest even, as torch's .to(bfloat16)
+        c10::BFloat16* k_slot = k_cache.data_ptr<c10::BFloat16>() + slot[t] * kv_width;
+        c10::BFloat16* v_slot = v_cache.data_ptr<c10::BFloat16>() + slot[t] * kv_width;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          rotate(row + (num_heads + h) * D, ct, st, D, rotated.data());
+          for (int64_t d = 0; d < D; ++d) k_slot[h * D + d] = c10::BFloat16(rotated[d]);
+        }
+        for (int64_t i = 0; i < kv_width; ++i) v_slot[i] = c10::BFloat16(v_row[i]);
       } else {
         float* k_slot = k_cache.data_ptr<float>() + slot[t] * kv_width;
         for (int64_t h = 0; h < num_kv_heads; ++h) rotate(row + (num_heads + h) * D, ct, st, D, k_slot + h * D);

@@ -1,5 +1,6 @@
 // Tree attention over the paged KV cache on the CPU, one query row at a time: fp32 arithmetic over
-// fp32 or bf16 queries and caches (bf16 values widened exactly on load, the result rounded once),
+// fp32 or bf16 queries and caches, in any pairing (bf16 values widened exactly on load, the result
+// rounded once),
 // or int8 caches (each row's codes times its scale, staged in fp32 per work item).
 //
 // Why: a query's result must not depend on the other queries of the step. CPU SDPA tiles its
@@ -163,7 +164,7 @@ void dequantize_rows(const int8_t* base, int64_t row_stride, const int64_t* slot
   for (int64_t i = 0; i < keys; ++i) specserve::dequantize_kv_row(base + slots[i] * row_stride, D, staged.data() + i * D);
 }
 
-// T: the queries' (and output's) type; C: the caches' (T itself, or int8 rows with their scales).
+// T: the queries' (and output's) type; C: the caches' (fp32, bf16, or int8 rows with their scales).
 template <typename T, typename C>
 void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& starts,
             const at::Tensor& ctx, const at::Tensor& tables, const at::Tensor& mask, float scale, at::Tensor& out) {
@@ -282,11 +283,11 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                           const at::Tensor& block_tables, const at::Tensor& ancestor_mask, double scale) {
-  const auto dtype = q.scalar_type();
-  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const auto dtype = q.scalar_type(), kind = k_cache.scalar_type();
+  const bool int8 = kind == at::kChar;
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
-                  (k_cache.scalar_type() == dtype || int8) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "tree_attention: float32 or bfloat16 queries over caches of their dtype or int8");
+                  (kind == at::kFloat || kind == at::kBFloat16 || int8) && v_cache.scalar_type() == kind,
+              "tree_attention: float32 or bfloat16 queries over float32, bfloat16 or int8 caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D] (int8: D + 2)");
   TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8 ? specserve::kKvScaleBytes : 0) && q.size(1) % k_cache.size(2) == 0,
@@ -297,14 +298,19 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   const at::Tensor mask = ancestor_mask.to(at::kBool).contiguous();
   at::Tensor out = at::empty_like(qc);
   const float fscale = static_cast<float>(scale);
-  if (dtype == at::kFloat && int8)
-    attend<float, int8_t>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
-  else if (dtype == at::kFloat)
-    attend<float, float>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
-  else if (int8)
-    attend<BFloat16, int8_t>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+  auto over = [&](auto query) {  // the cache's element type, for queries of decltype(query)
+    using T = decltype(query);
+    if (int8)
+      attend<T, int8_t>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+    else if (kind == at::kFloat)
+      attend<T, float>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+    else
+      attend<T, BFloat16>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+  };
+  if (dtype == at::kFloat)
+    over(float{});
   else
-    attend<BFloat16, BFloat16>(qc, kc, vc, starts, ctx, tables, mask, fscale, out);
+    over(BFloat16{});
   return out;
 }
 

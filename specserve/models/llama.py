@@ -261,7 +261,8 @@ class LlamaForCausalLM(nn.Module):
         per-op cost), where the layers would take exactly its path: fp32 on the CPU through our
         attention kernel, every projection in quantized blocks. None elsewhere, or with
         SPECSERVE_DECODER_STACK=0 (module by module, the same bits)."""
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or kv_cache.k.dtype not in (torch.float32, torch.int8)
+        if (x.device.type != "cpu" or x.dtype != torch.float32
+                or kv_cache.k.dtype not in (torch.float32, torch.bfloat16, torch.int8)
                 or ops.backend(x.device, torch.float32) != "cpu" or os.environ.get("SPECSERVE_DECODER_STACK") == "0"):
             return None
         generation = weights_generation()

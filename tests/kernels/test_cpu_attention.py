@@ -119,9 +119,23 @@ def test_a_tree_node_over_an_int8_cache_gets_the_bits_of_the_same_token_decoded_
     assert torch.equal(together[: len(tree)], alone)
 
 
-def test_mixed_dtypes_are_refused_with_a_message():
+@pytest.mark.parametrize("query_dtype, cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_queries_attend_over_a_cache_of_another_dtype_as_its_widened_values(query_dtype, cache_dtype):
+    """--kv-cache-dtype bf16 under an fp32 model (and fp32 under bf16): the cache's values widened
+    exactly, the same fp32 arithmetic, the result in the queries' dtype."""
+    rng = random.Random(11)
+    requests = [(rng.randrange(0, 90), random_tree(rng, rng.randrange(1, 9), "random")) for _ in range(3)]
+    tables, k_cache, v_cache = paged_cache(rng, requests, 16, 2, 64, cache_dtype)
+    q = torch.randn(sum(len(t) for _, t in requests), 6, 64).to(query_dtype)
+    trees, contexts = [t for _, t in requests], [c for c, _ in requests]
+    got = attend(trees, contexts, tables, k_cache, v_cache, q, block_size=16)
+    widened = attend(trees, contexts, tables, k_cache.float(), v_cache.float(), q.float(), block_size=16)
+    assert got.dtype == query_dtype and torch.equal(got, widened.to(query_dtype))
+
+
+def test_an_unsupported_cache_dtype_is_refused_with_a_message():
     rng = random.Random(0)
     requests = [(5, TokenTree.single(1))]
-    tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, 64, torch.float32)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16 queries over caches of their dtype or int8"):
-        attend([TokenTree.single(1)], [5], tables, k_cache, v_cache, torch.randn(1, 4, 64).bfloat16())
+    tables, k_cache, v_cache = paged_cache(rng, requests, 4, 2, 64, torch.float16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 queries over float32, bfloat16 or int8 caches"):
+        attend([TokenTree.single(1)], [5], tables, k_cache, v_cache, torch.randn(1, 4, 64))

@@ -22,9 +22,10 @@ def torch_path(qkv, cos, sin, k_cache, v_cache, slots):
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 37])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_equals_the_torch_path_bit_for_bit(tokens, cache_dtype):
-    """int8 caches too: the same codes and scales as the reference's quantization of the same K/V."""
+    """bf16 and int8 caches too: bf16 rounded to nearest even as torch rounds; int8 the same codes
+    and scales as the reference's quantization of the same K/V."""
     rotary = RotaryEmbedding(RopeConfig(theta=100000.0), HEAD_DIM, 4096, torch.float32)
     positions = torch.randint(0, 4096, (tokens,))
     cos, sin = rotary(positions)
@@ -32,8 +33,7 @@ def test_equals_the_torch_path_bit_for_bit(tokens, cache_dtype):
     qkv[:, -KV_HEADS * HEAD_DIM:][0] = 0  # a row of zeros: scale 0
     slots = torch.randperm(BLOCKS * BLOCK_SIZE)[:tokens]
     caches = [torch.randn(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(2)]
-    if cache_dtype == torch.int8:
-        caches = [reference.quantize_kv(c) for c in caches]
+    caches = [reference.quantize_kv(c) if cache_dtype == torch.int8 else c.to(cache_dtype) for c in caches]
     mine = [c.clone() for c in caches]
     expected = torch_path(qkv, cos, sin, *caches, slots)
     q = native.rope_write_kv(qkv, cos, sin, *mine, slots, HEADS, KV_HEADS)

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from kernels import reference
+from specserve.closed_loop import run_to_completion
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.kv_cache import KVCache
+from specserve.sampling import SamplingParams
 
 
 def config(head_dim: int = 64) -> SimpleNamespace:
@@ -55,5 +57,32 @@ def test_an_int8_pool_admits_about_twice_the_tokens_of_bf16_in_the_same_memory(s
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'.*auto, int8"):
-        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4'.*auto, fp32, bf16, int8, fp8"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_fp8_on_a_cpu_is_refused_with_what_to_use_instead():
+    with pytest.raises(ValueError, match="fp8 needs a GPU.*--kv-cache-dtype int8"):
+        EngineConfig(kv_cache_dtype="fp8", device="cpu")
+
+
+@pytest.mark.parametrize("name, model_dtype, pool_dtype", [
+    ("auto", torch.float32, torch.float32), ("auto", torch.bfloat16, torch.bfloat16),
+    ("bf16", torch.float32, torch.bfloat16), ("fp32", torch.bfloat16, torch.float32),
+    ("int8", torch.float32, torch.int8), ("fp8", torch.bfloat16, torch.float8_e4m3fn)])
+def test_the_pool_dtype_is_named_or_the_models_own(name, model_dtype, pool_dtype):
+    assert EngineConfig.kv_dtype(SimpleNamespace(kv_cache_dtype=name), model_dtype) == pool_dtype
+
+
+def test_an_fp32_model_over_a_bf16_pool_serves_greedy_replies_like_its_speculation(smollm2_path):
+    """--kv-cache-dtype bf16 under the CPU's fp32 model: the C++ write and attention round and widen
+    the pool's values, and speculation stays lossless over it."""
+    def replies(**overrides) -> list[list[int]]:
+        config = EngineConfig(kv_cache_memory="32MiB", kv_cache_dtype="bf16", **overrides)
+        engine = LLMEngine(smollm2_path, None, config)
+        assert engine.kv_cache.k.dtype == torch.bfloat16 and engine.model.dtype == torch.float32
+        prompts = [engine.encode(p, chat=True) for p in ("Name three rivers.", "Count from one to ten in words.")]
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in run_to_completion(engine, prompts, greedy)[0]]
+
+    assert replies(speculation="off") == replies(draft="ngram", speculation="fixed")
