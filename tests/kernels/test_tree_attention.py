@@ -194,6 +194,102 @@ def test_a_step_padded_to_a_fixed_size_gives_its_tokens_the_same_attention_and_w
     torch.testing.assert_close(out[:real], expected, atol=1e-5, rtol=1e-5)
 
 
+# -- Quantized caches ------------------------------------------------------------------------
+
+# The kernel dequantizes what the reference dequantizes and attends in fp32: fp32 queries agree
+# with the reference over the dequantized values as closely as over plain fp32 caches.
+QUANTIZED_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def quantized_case(rng, trees, contexts, block_size, kv_heads, head_dim, cache_dtype):
+    meta, k_cache, v_cache = paged_case(rng, trees, contexts, block_size, kv_heads, head_dim, torch.float32)
+    if cache_dtype == torch.int8:  # K's scales spread over decades, as real keys' are
+        k_cache = k_cache * torch.logspace(-1, 1, k_cache.shape[1], device=DEVICE).view(1, -1, 1, 1)
+        return meta, reference.quantize_kv(k_cache), reference.quantize_kv(v_cache)
+    return meta, k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+
+
+def assert_matches_dequantized_reference(q, k_cache, v_cache, meta):
+    scale = q.shape[-1] ** -0.5
+    out = triton_kernels.paged_tree_attention(q, k_cache, v_cache, meta, scale)
+    keys, values = (reference.dequantize_kv(c, torch.float32) for c in (k_cache, v_cache))
+    expected = reference.paged_tree_attention(q.float(), keys, values, meta, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    tol = QUANTIZED_TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_int8_caches_over_random_trees_contexts_gqa_ratios_and_block_sizes(seed):
+    rng = random.Random(2000 + seed)
+    kv_heads = rng.choice([1, 2, 4])
+    num_heads = kv_heads * rng.choice([1, 2, 3, 4])
+    head_dim = rng.choice([16, 64, 128])
+    trees = [random_tree(rng, rng.randint(1, 40), rng.choice(SHAPES)) for _ in range(rng.randint(1, 4))]
+    contexts = [rng.randint(0, 300) for _ in trees]
+    meta, k8, v8 = quantized_case(rng, trees, contexts, rng.choice([16, 32, 64]), kv_heads, head_dim, torch.int8)
+    assert k8.dtype == torch.int8 and k8.shape[-1] == head_dim + reference.INT8_SCALE_BYTES
+    q = torch.randn(meta.num_tokens, num_heads, head_dim).to(DEVICE, rng.choice(list(QUANTIZED_TOLERANCE)))
+    assert_matches_dequantized_reference(q, k8, v8, meta)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_int8_write_kv_stores_the_references_codes_and_scales(seed):
+    """The same bits as `reference.quantize_kv`: attention over caches either one wrote is the same."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, head_dim = 3, 64
+    k_cache = reference.quantize_kv(torch.randn(6, 16, kv_heads, head_dim, generator=gen)).to(DEVICE)
+    v_cache = reference.quantize_kv(torch.randn(6, 16, kv_heads, head_dim, generator=gen)).to(DEVICE)
+    fused = torch.randn(10, 2 * kv_heads, head_dim, generator=gen) * torch.logspace(-3, 2, 10).view(10, 1, 1)
+    fused[3, 1] = 0  # a zero row: scale 0, codes 0
+    fused[4, 0] = 0  # scale 31.75 / 127 = 0.25 exactly: codes 0.5, -1.5, 2.5 round half to even
+    fused[4, 0, :4] = torch.tensor([31.75, 0.125, -0.375, 0.625])
+    fused = fused.to(DEVICE)
+    k, v = fused[:, :kv_heads], fused[:, kv_heads:]
+    slots = torch.tensor([95, 0, 17, 18, 40, 41, 42, 63, 64, 80], device=DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k, v, expected_k, expected_v, slots)
+    triton_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_int8_compaction_moves_rows_with_their_scales():
+    rng = random.Random(9)
+    cache = reference.quantize_kv(torch.randn(2, 6, 16, 2, 64) * 10).to(DEVICE)
+    s, d = compaction_slots([4, 1], 7, [0] + sorted(rng.sample(range(1, 12), 5)), 16)
+    src, dst = torch.tensor(s, device=DEVICE), torch.tensor(d, device=DEVICE)
+    expected = cache.clone()
+    reference.compact_kv(expected, src, dst)
+    triton_kernels.compact_kv(cache, src, dst)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", range(4))
+def test_fp8_caches_over_random_trees(seed):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 (e4m3) needs compute capability 8.9 or newer")
+    rng = random.Random(3000 + seed)
+    trees = [random_tree(rng, rng.randint(1, 40), rng.choice(SHAPES)) for _ in range(3)]
+    contexts = [rng.randint(0, 300) for _ in trees]
+    meta, k8, v8 = quantized_case(rng, trees, contexts, 16, 2, 128, torch.float8_e4m3fn)
+    q = torch.randn(meta.num_tokens, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert_matches_dequantized_reference(q, k8, v8, meta)
+
+
+@pytest.mark.cuda
+def test_fp8_write_kv_rounds_as_torch_does():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.zeros(4, 16, 2, 64, device=DEVICE, dtype=torch.float8_e4m3fn) for _ in range(2))
+    k, v = (torch.randn(7, 2, 64, generator=gen).to(DEVICE, torch.bfloat16) * 20 for _ in range(2))
+    slots = torch.tensor([0, 5, 16, 17, 33, 50, 63], device=DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k, v, expected_k, expected_v, slots)
+    triton_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), expected_v.view(torch.uint8))
+
+
 # -- K/V writes and compaction -------------------------------------------------------------
 
 
@@ -261,10 +357,12 @@ def test_cpu_tensors_take_the_cpu_kernels_unless_triton_is_forced(monkeypatch):
         ops.backend(torch.device("cpu"))
 
 
-def test_forced_triton_runs_the_kernel_through_the_ops(monkeypatch):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=str)
+def test_forced_triton_runs_the_kernel_through_the_ops(monkeypatch, cache_dtype):
+    """int8 caches too: the kernel writes the reference's codes and attends over their values."""
     rng = random.Random(9)
     trees = [random_tree(rng, 6, "random")]
-    meta, k_cache, v_cache = paged_case(rng, trees, [20], 16, 2, 32, torch.float32)
+    meta, k_cache, v_cache = quantized_case(rng, trees, [20], 16, 2, 32, cache_dtype)
     q, k, v = (torch.randn(meta.num_tokens, h, 32, device=DEVICE) for h in (4, 2, 2))
     calls = []
     real = triton_kernels.paged_tree_attention
