@@ -8,7 +8,15 @@
     prompts, N tokens each): generated tokens / wall time, and the ratio to C = 1.
 (c) Per-request TTFT and TPOT percentiles at each concurrency.
 
+`--memory-bound` runs another case instead: many long requests (prompts of several questions
+and their replies: `--request-tokens` each) from more clients than the KV pool holds, against engines
+that differ only in the pool's dtype (`--kv-cache-dtypes`, default bf16 vs int8), in the same
+`--kv-cache-memory`, stepped in turn. Per dtype: the requests the scheduler runs at once (its
+running count, median over the steps of the second half, once the pool is full) and aggregate
+generated tok/s.
+
     python benchmarks/engine.py [--model smollm2-135m-instruct] [--quantization auto] [--repeats 3]
+    python benchmarks/engine.py --memory-bound [--kv-cache-memory 384MiB] [--request-tokens 2048]
 """
 
 from __future__ import annotations
@@ -113,6 +121,69 @@ def batch1_decode(engine: LLMEngine, hf, prompt: list[int], max_tokens: int, rep
     return {"tokens_per_s": medians, "runs": rates, "speedup": medians["specserve"] / medians["transformers"]}
 
 
+def long_prompts(engine: LLMEngine, questions: Path, count: int, prompt_tokens: int) -> list[list[int]]:
+    """`count` prompts of about `prompt_tokens` tokens: Spec-Bench questions one after another, each
+    prompt starting at a different one (so no two share a prefix), then asked to answer them all."""
+    turns = [t for ts in spec_bench_questions(questions).values() for t in ts]
+    prompts = []
+    for first in range(count):
+        parts: list[str] = []
+        for turn in turns[first:] + turns[:first]:
+            if len(engine.encode("\n\n".join(parts + [turn]), chat=True)) > prompt_tokens:
+                break
+            parts.append(turn)
+        prompts.append(engine.encode("Answer each of these in turn.\n\n" + "\n\n".join(parts), chat=True))
+    return prompts
+
+
+def memory_bound(args: argparse.Namespace, path: Path) -> None:
+    """Aggregate tok/s and requests running at once, per KV pool dtype, in the same pool bytes."""
+    dtypes = args.kv_cache_dtypes.split(",")
+    engines = {kv: LLMEngine(path, args.dtype, EngineConfig(
+        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=kv, quantization=args.quantization,
+        max_num_seqs=args.clients, enable_prefix_caching=False, speculation="off")) for kv in dtypes}
+    first = engines[dtypes[0]]
+    prompts = long_prompts(first, args.questions, args.clients, args.request_tokens - args.reply_tokens)
+    reply = args.request_tokens - max(map(len, prompts))
+    params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
+    run_engine(first, prompts[:2], 4)  # warm-up (each engine's first steps also build its kernels)
+    loops = {kv: ClosedLoop(engine, prompts, params, concurrency=args.clients, tokens=args.tokens)
+             for kv, engine in engines.items()}
+    running: dict[str, list[int]] = {kv: [] for kv in dtypes}
+    with tqdm(total=args.tokens * len(dtypes), desc="memory-bound", unit="tok") as bar:
+        while not all(loop.done for loop in loops.values()):
+            for kv, loop in loops.items():
+                if not loop.done:
+                    before = loop.generated
+                    loop.step()
+                    running[kv].append(len(engines[kv].scheduler.running))
+                    bar.update(loop.generated - before)
+    per: dict[str, dict] = {}
+    for kv, loop in loops.items():
+        steady = running[kv][len(running[kv]) // 2:]
+        per[kv] = {"kv_cache_dtype": engines[kv].info["kv_cache_dtype"], "kv_tokens": engines[kv].num_kv_tokens,
+                   "running_median": statistics.median(steady), "running_max": max(running[kv]),
+                   "tokens": loop.generated, "busy_s": loop.busy_s, "tokens_per_s": loop.generated / loop.busy_s,
+                   "preemptions": sum(o.metrics.num_preemptions for o in loop.finished + loop.aborted)}
+    base = per[dtypes[0]]
+    rows = [[kv, f"{v['kv_cache_dtype']}", f"{v['kv_tokens']:,}", f"{v['kv_tokens'] / base['kv_tokens']:.2f}x",
+             f"{v['running_median']:g} (max {v['running_max']})",
+             f"{v['running_median'] / base['running_median']:.2f}x", f"{v['tokens_per_s']:.1f}",
+             f"{v['tokens_per_s'] / base['tokens_per_s']:.2f}x"] for kv, v in per.items()]
+    caption = (f"Memory-bound serving: {args.model} ({first.info['weights']}, {first.info['dtype']} activations, "
+               f"{processor_name()}, {torch.get_num_threads()} threads), {args.clients} closed-loop clients of "
+               f"{min(map(len, prompts))}-{max(map(len, prompts))}-token prompts and {reply}-token greedy replies "
+               f"(requests of up to {args.request_tokens} tokens), --kv-cache-memory {args.kv_cache_memory}, no "
+               f"prefix caching, no speculation, engines stepped in turn until each generated {args.tokens} tokens. "
+               f"Running: the scheduler's running count, median over the second half of the steps.")
+    write_report(args.out, {"model": args.model, "machine": processor_name(), "clients": args.clients,
+                            "kv_cache_memory": args.kv_cache_memory, "request_tokens": args.request_tokens,
+                            "prompt_tokens": [len(p) for p in prompts], "reply_tokens": reply,
+                            "threads": torch.get_num_threads(), "per_dtype": per, "running": running},
+                 caption, ["--kv-cache-dtype", "pool", "KV tokens", "vs first", "running at once", "vs first",
+                           "tok/s", "vs first"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -125,9 +196,20 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--questions", type=Path, default=SPEC_BENCH, help="Spec-Bench questions (jsonl)")
-    parser.add_argument("--out", default=str(RESULTS / "engine"))
+    parser.add_argument("--out", default=None, help="default: results/engine or results/engine-memory-bound")
+    parser.add_argument("--memory-bound", action="store_true", help="run the memory-bound case (above) instead")
+    parser.add_argument("--kv-cache-dtypes", default="bf16,int8", help="memory-bound: the pools compared")
+    parser.add_argument("--kv-cache-memory", default="384MiB", help="memory-bound: every engine's KV pool")
+    parser.add_argument("--clients", type=int, default=32, help="memory-bound: closed-loop clients")
+    parser.add_argument("--request-tokens", type=int, default=2048, help="memory-bound: prompt + reply tokens")
+    parser.add_argument("--reply-tokens", type=int, default=128, help="memory-bound: about this many replied")
+    parser.add_argument("--tokens", type=int, default=3000, help="memory-bound: generated tokens per engine")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.memory_bound:
+        args.out = args.out or str(RESULTS / "engine-memory-bound")
+        return memory_bound(args, resolve_model(args.model))
+    args.out = args.out or str(RESULTS / "engine")
 
     from specserve.models.loader import load_transformers
 

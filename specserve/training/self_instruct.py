@@ -226,6 +226,7 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
             loop = ClosedLoop(engine, [opening for opening, _ in batch], lambda k, params=params: params[k],
                               concurrency=max_in_flight)
             written: dict[int, Candidate] = {}
+            saved = 0  # batch[:saved] are in `candidates` and the cache file
             while not loop.done:
                 loop.step()
                 for out in loop.finished:
@@ -238,16 +239,15 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
                         bar.update()
                     written[k] = candidate
                 loop.finished.clear()
-                if 0 in written and budget.spent:  # the batch's first is in: this run moved forward
+                # Saved in index order as they come: a resumed run sees what an uninterrupted one
+                # did, and a run stopped by the budget (or killed) keeps the unbroken run so far.
+                while saved in written:
+                    candidates.append(written[saved])
+                    sink.write(json.dumps(asdict(written[saved])) + "\n")
+                    saved += 1
+                sink.flush()
+                if saved and budget.spent:  # this run moved forward
                     loop.stop()
-            # In index order, a resumed run sees what an uninterrupted one did; of a batch the budget
-            # cut short, the unbroken run from its start is kept (a resumed run writes the rest).
-            for k in range(len(batch)):
-                if k not in written:
-                    break
-                candidates.append(written[k])
-                sink.write(json.dumps(asdict(written[k])) + "\n")
-            sink.flush()
             if _kept(candidates) < count and len(candidates) > loaded:
                 budget.check(stage, f"{_kept(candidates)} of {count} written")
     chosen = [c for c in candidates if not c.why][:count]
