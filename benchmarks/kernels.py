@@ -9,7 +9,10 @@ interleaved on the same inputs with `triton.testing.do_bench` (median, after war
   with a materialised dense additive mask (gather not timed: the most favourable setting
   for SDPA), the faster of `enable_gqa=True` on `[B, Hkv, L, D]` and K/V repeated per
   query head beforehand;
-* reference: `kernels.reference.paged_tree_attention` (block gather + mask + SDPA: the CPU path).
+* reference: `kernels.reference.paged_tree_attention` (block gather + mask + SDPA: the CPU path);
+* kernel over quantized caches (`--kv-dtypes`, default int8 and fp8): the same K/V quantized as
+  `--kv-cache-dtype int8|fp8` stores them (fp8 where the GPU has it), its time and bandwidth
+  against the bf16 cache's, and its error against the reference over the dequantized values.
 
 Bandwidth counts the K/V bytes each request must read once, over the kernel's time, as a
 fraction of a device-to-device copy measured in the same run (bytes read + written) and of
@@ -113,6 +116,11 @@ def make_case(batch: int, context: int, tree_size: int, args, seed: int, device:
     return q, k_cache, v_cache, meta
 
 
+def quantize_cache(cache: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A bf16 cache as `--kv-cache-dtype int8|fp8` stores the same values."""
+    return reference.quantize_kv(cache) if dtype == "int8" else cache.to(torch.float8_e4m3fn)
+
+
 def sdpa_dense(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """SDPA's inputs prepared outside the timing: contiguous K/V, padded queries, a dense mask."""
     batch, n, seq = meta.num_requests, meta.max_tree_len, meta.max_seq_len
@@ -145,6 +153,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per contender and shape")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kv-dtypes", nargs="*", default=["int8", "fp8"], choices=["int8", "fp8"],
+                        help="quantized caches the kernel also runs over (fp8: GPUs with compute capability 8.9+)")
     parser.add_argument("--out", default=str(RESULTS / "kernels"))
     args = parser.parse_args()
     if args.device == "cpu":
@@ -160,6 +170,8 @@ def main() -> None:
     sheet_bw = datasheet_bandwidth(device) if args.device == "cuda" else None
     scale = args.head_dim**-0.5
     shapes = [(b, c, t) for b in args.batches for c in args.contexts for t in args.trees]
+    has_fp8 = args.device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    kv_dtypes = [d for d in args.kv_dtypes if d != "fp8" or has_fp8]
     rows, records = [], []
     for batch, context, tree_size in tqdm(shapes, desc="shapes"):
         seed = batch * 7 + context + tree_size
@@ -173,6 +185,15 @@ def main() -> None:
         }
         expected = contenders["reference"]().float()
         error = (contenders["kernel"]().float() - expected).abs().max().item()  # also autotunes
+        quantized_error, quantized_bytes = {}, {}
+        for name in kv_dtypes:
+            k_q, v_q = (quantize_cache(c, name) for c in (k_cache, v_cache))
+            contenders[f"kernel_{name}"] = run = (
+                lambda q=q, k=k_q, v=v_q, m=meta: kernel.paged_tree_attention(q, k, v, m, scale))
+            keys, values = (reference.dequantize_kv(c, torch.float32) for c in (k_q, v_q))
+            exact = reference.paged_tree_attention(q.float(), keys, values, meta, scale)
+            quantized_error[name] = (run().float() - exact).abs().max().item()
+            quantized_bytes[name] = batch * (context + tree_size) * 2 * k_q[0, 0].nbytes  # one slot: all heads
         ms = {name: time_ms(fn) for name, fn in contenders.items()}
         ms["sdpa"] = min(ms["sdpa_gqa"], ms["sdpa_expanded"])  # SDPA's better way of doing GQA
         kv_bytes = batch * (context + tree_size) * args.kv_heads * args.head_dim * 2 * k_cache.element_size()
@@ -181,13 +202,18 @@ def main() -> None:
                       kernel_bytes_per_s=bandwidth, fraction_of_copy=bandwidth / copy_bw,
                       fraction_of_datasheet=None if sheet_bw is None else bandwidth / sheet_bw,
                       speedup_vs_sdpa=ms["sdpa"] / ms["kernel"], speedup_vs_reference=ms["reference"] / ms["kernel"],
-                      max_abs_error=error)
+                      max_abs_error=error,
+                      quantized={name: dict(ms=ms[f"kernel_{name}"], kv_bytes=quantized_bytes[name],
+                                            bytes_per_s=quantized_bytes[name] / (ms[f"kernel_{name}"] * 1e-3),
+                                            vs_bf16=ms["kernel"] / ms[f"kernel_{name}"],
+                                            max_abs_error=quantized_error[name]) for name in kv_dtypes})
         records.append(record)
         rows.append([str(batch), str(context), str(tree_size), f"{ms['kernel']:.3f}", f"{ms['sdpa']:.3f}",
                      f"{ms['reference']:.3f}", f"{record['speedup_vs_sdpa']:.2f}x",
                      f"{record['speedup_vs_reference']:.2f}x", f"{bandwidth / 1e12:.2f}",
                      f"{100 * record['fraction_of_copy']:.0f}%",
-                     "-" if sheet_bw is None else f"{100 * record['fraction_of_datasheet']:.0f}%", f"{error:.1e}"])
+                     "-" if sheet_bw is None else f"{100 * record['fraction_of_datasheet']:.0f}%", f"{error:.1e}",
+                     *(f"{ms[f'kernel_{n}']:.3f} ({record['quantized'][n]['vs_bf16']:.2f}x)" for n in kv_dtypes)])
         del q, k_cache, v_cache, meta, contenders, expected, sdpa_gqa, sdpa_expanded
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -202,7 +228,7 @@ def main() -> None:
                f"device-to-device copy measured in this run ({copy_bw / 1e12:.2f} TB/s) and the datasheet ({sheet}). "
                f"sdpa = dense-mask SDPA over pre-gathered K/V (gather untimed); reference = our torch path.")
     header = ["batch", "context", "tree", "kernel ms", "sdpa ms", "reference ms", "vs sdpa", "vs reference",
-              "TB/s", "of copy", "of datasheet", "max err"]
+              "TB/s", "of copy", "of datasheet", "max err", *(f"{n} ms (vs bf16)" for n in kv_dtypes)]
     write_report(args.out, result, caption, header, rows)
 
 
