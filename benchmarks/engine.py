@@ -12,11 +12,11 @@
 and their replies: `--request-tokens` each) from more clients than the KV pool holds, against engines
 that differ only in the pool's dtype (`--kv-cache-dtypes`, default bf16 vs int8), in the same
 `--kv-cache-memory`, stepped in turn. Per dtype: the requests the scheduler runs at once (its
-running count, median over the steps of the second half, once the pool is full) and aggregate
+running count after each step, mean over the second half of the steps, once the pool is full) and aggregate
 generated tok/s.
 
     python benchmarks/engine.py [--model smollm2-135m-instruct] [--quantization auto] [--repeats 3]
-    python benchmarks/engine.py --memory-bound [--kv-cache-memory 384MiB] [--request-tokens 2048]
+    python benchmarks/engine.py --memory-bound [--kv-cache-memory 768MiB] [--request-tokens 2048]
 """
 
 from __future__ import annotations
@@ -162,20 +162,22 @@ def memory_bound(args: argparse.Namespace, path: Path) -> None:
     for kv, loop in loops.items():
         steady = running[kv][len(running[kv]) // 2:]
         per[kv] = {"kv_cache_dtype": engines[kv].info["kv_cache_dtype"], "kv_tokens": engines[kv].num_kv_tokens,
-                   "running_median": statistics.median(steady), "running_max": max(running[kv]),
+                   "running_mean": statistics.mean(steady), "running_median": statistics.median(steady),
+                   "running_max": max(running[kv]),
                    "tokens": loop.generated, "busy_s": loop.busy_s, "tokens_per_s": loop.generated / loop.busy_s,
                    "preemptions": sum(o.metrics.num_preemptions for o in loop.finished + loop.aborted)}
     base = per[dtypes[0]]
     rows = [[kv, f"{v['kv_cache_dtype']}", f"{v['kv_tokens']:,}", f"{v['kv_tokens'] / base['kv_tokens']:.2f}x",
-             f"{v['running_median']:g} (max {v['running_max']})",
-             f"{v['running_median'] / base['running_median']:.2f}x", f"{v['tokens_per_s']:.1f}",
+             f"{v['running_mean']:.1f} (median {v['running_median']:g}, max {v['running_max']})",
+             f"{v['running_mean'] / base['running_mean']:.2f}x", f"{v['tokens_per_s']:.1f}",
              f"{v['tokens_per_s'] / base['tokens_per_s']:.2f}x"] for kv, v in per.items()]
     caption = (f"Memory-bound serving: {args.model} ({first.info['weights']}, {first.info['dtype']} activations, "
                f"{processor_name()}, {torch.get_num_threads()} threads), {args.clients} closed-loop clients of "
                f"{min(map(len, prompts))}-{max(map(len, prompts))}-token prompts and {reply}-token greedy replies "
                f"(requests of up to {args.request_tokens} tokens), --kv-cache-memory {args.kv_cache_memory}, no "
                f"prefix caching, no speculation, engines stepped in turn until each generated {args.tokens} tokens. "
-               f"Running: the scheduler's running count, median over the second half of the steps.")
+               f"Running: the scheduler's running count after each step, mean (and median) over the second half "
+               f"of the steps, once the pool is full.")
     write_report(args.out, {"model": args.model, "machine": processor_name(), "clients": args.clients,
                             "kv_cache_memory": args.kv_cache_memory, "request_tokens": args.request_tokens,
                             "prompt_tokens": [len(p) for p in prompts], "reply_tokens": reply,
@@ -199,11 +201,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: results/engine or results/engine-memory-bound")
     parser.add_argument("--memory-bound", action="store_true", help="run the memory-bound case (above) instead")
     parser.add_argument("--kv-cache-dtypes", default="bf16,int8", help="memory-bound: the pools compared")
-    parser.add_argument("--kv-cache-memory", default="384MiB", help="memory-bound: every engine's KV pool")
-    parser.add_argument("--clients", type=int, default=32, help="memory-bound: closed-loop clients")
+    parser.add_argument("--kv-cache-memory", default="768MiB", help="memory-bound: every engine's KV pool")
+    parser.add_argument("--clients", type=int, default=64, help="memory-bound: closed-loop clients")
     parser.add_argument("--request-tokens", type=int, default=2048, help="memory-bound: prompt + reply tokens")
     parser.add_argument("--reply-tokens", type=int, default=128, help="memory-bound: about this many replied")
-    parser.add_argument("--tokens", type=int, default=3000, help="memory-bound: generated tokens per engine")
+    parser.add_argument("--tokens", type=int, default=4000, help="memory-bound: generated tokens per engine")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.memory_bound:

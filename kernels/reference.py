@@ -27,38 +27,84 @@ from kernels.metadata import AttentionMetadata
 KEY_ALIGN = 32
 
 
-# An int8 cache row (one token's K or V of one K/V head) is its head_dim int8 codes followed by
-# their scale, an fp16 in two bytes: the scale sits beside its codes, so anything that moves,
-# shares or counts rows (compaction, prefix caching, the block manager) needs no second tensor.
-INT8_SCALE_BYTES = 2
+# An int8 cache row (one token's K or V of one K/V head) is its head_dim codes followed by one scale
+# byte per group of KV_GROUP channels (one group for head sizes that are not a multiple): the
+# scales sit beside their codes, so anything that moves, shares or counts rows (compaction, prefix
+# caching, the block manager) needs no second tensor. A scale per 32 channels keeps small channels
+# beside outlier ones far better than one per row, and in one byte costs what one fp16 did for
+# 64-dim heads: 66 bytes against bf16's 128.
+KV_GROUP = 32
+# A scale byte: 5 exponent bits (1-31; 0 is scale 0) and 3 mantissa bits, 2^(e - 24) (1 + m / 8):
+# 2^-23 to 240, always rounded up from max |x| / 127 so codes stay within +-127. Its values are
+# exact in fp32, and so is every code times its scale.
+SCALE_EXPONENT_BIAS = 24
+
+
+def scale_groups(head_dim: int) -> int:
+    return head_dim // KV_GROUP if head_dim % KV_GROUP == 0 else 1
 
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """The last dimension of a cache of `dtype`: head_dim values, plus the scale for int8."""
-    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+    """The last dimension of a cache of `dtype`: head_dim values, plus the scale bytes for int8."""
+    if dtype != torch.int8:
+        return head_dim
+    width = head_dim + scale_groups(head_dim)
+    if head_dim_of(width) != head_dim:  # 98, 164, ...: a row width a multiple of 32 also has
+        raise ValueError(f"an int8 KV cache cannot hold heads of {head_dim} channels: use --kv-cache-dtype auto")
+    return width
+
+
+def head_dim_of(width: int) -> int:
+    """The head size of int8 cache rows `width` wide (head sizes that are multiples of 32 first)."""
+    return width * KV_GROUP // (KV_GROUP + 1) if width % (KV_GROUP + 1) == 0 else width - 1
+
+
+def encode_scales(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales >= 0 as scale bytes (uint8): the smallest representable scale >= each."""
+    bits = scale.float().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 + SCALE_EXPONENT_BIAS
+    mantissa = ((bits >> 20) & 7) + ((bits & 0xFFFFF) != 0).int()  # rounded up to 3 bits
+    exponent, mantissa = exponent + (mantissa >> 3), mantissa & 7
+    low = exponent < 1  # below 2^-23 (subnormals too): the smallest scale
+    exponent, mantissa = torch.where(low, 1, exponent), torch.where(low, 0, mantissa)
+    high = exponent > 31  # saturates: codes then clamp at +-127
+    exponent, mantissa = torch.where(high, 31, exponent), torch.where(high, 7, mantissa)
+    return torch.where(scale > 0, exponent * 8 + mantissa, 0).to(torch.uint8)
+
+
+def decode_scales(codes: torch.Tensor) -> torch.Tensor:
+    """Scale bytes as fp32 scales (built from their bits: exact)."""
+    c = codes.view(torch.uint8).int()
+    bits = (((c >> 3) - SCALE_EXPONENT_BIAS + 127) << 23) | ((c & 7) << 20)
+    return torch.where(c > 0, bits.view(torch.float32), 0.0)
 
 
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
-    """K or V rows `[..., D]` as int8 cache rows `[..., D + 2]`: codes round(x / scale) with one
-    scale per row, fp16(max |x| / 127), stored after them."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / 127).half()
-    safe = torch.where(scale > 0, scale.float(), 1.0)
-    codes = torch.round(x.float() / safe).clamp(-127, 127).to(torch.int8)
-    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+    """K or V rows `[..., D]` as int8 cache rows `[..., D + groups]`: per group of channels a scale
+    byte (max |x| / 127 rounded up) and codes round-half-even(x / scale), scales after the codes."""
+    *lead, head_dim = x.shape
+    groups = x.float().reshape(*lead, scale_groups(head_dim), -1)
+    scale_bytes = encode_scales(groups.abs().amax(dim=-1) / 127)
+    scale = decode_scales(scale_bytes).unsqueeze(-1)
+    codes = torch.round(groups / torch.where(scale > 0, scale, 1.0)).clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes.reshape(*lead, head_dim), scale_bytes.view(torch.int8)], dim=-1)
 
 
 def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows as K or V values in `dtype`: int8 rows as codes times their scale, others as they are."""
+    """Cache rows as K or V values in `dtype`: int8 rows as codes times their group's scale, others as they are."""
     if rows.dtype != torch.int8:
         return rows.to(dtype)
-    scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float16).float()
-    return (rows[..., :-INT8_SCALE_BYTES].float() * scale).to(dtype)
+    head_dim = head_dim_of(rows.shape[-1])
+    lead = rows.shape[:-1]
+    scale = decode_scales(rows[..., head_dim:]).unsqueeze(-1)
+    codes = rows[..., :head_dim].float().reshape(*lead, scale.shape[-2], -1)
+    return (codes * scale).reshape(*lead, head_dim).to(dtype)
 
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter new K/V (`[T, Hkv, D]`) into their cache slots (int8 caches: quantized per row)."""
+    """Scatter new K/V (`[T, Hkv, D]`) into their cache slots (int8 caches: quantized per group)."""
     num_kv_heads, width = k_cache.shape[-2:]
     for new, cache in ((k, k_cache), (v, v_cache)):
         rows = quantize_kv(new) if cache.dtype == torch.int8 else new.to(cache.dtype)

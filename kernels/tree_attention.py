@@ -16,8 +16,9 @@ Layout of the work:
 * when the batch is too small to fill the GPU, the context is split across programs
   (flash-decoding) and a second kernel merges the partial softmaxes;
 * caches of any dtype: K/V are converted to the queries' dtype as loaded; int8 rows (codes and
-  their fp16 scale, `kernels.reference.quantize_kv`) are dequantized there, and the int8 write
-  kernel quantizes to the reference's very bits; fp8 (e4m3) caches are read and written as is.
+  a scale byte per 32 channels, `kernels.reference.quantize_kv`) are dequantized there, and the
+  int8 write kernel quantizes to the reference's very bits; fp8 (e4m3) caches are read and
+  written as they are.
 
 The interpreter (`TRITON_INTERPRET=1`, read when this module is imported) runs the same
 code on CPU tensors. There bf16 arithmetic is wrong, so every load is upcast to fp32
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.reference import row_width
+from kernels.reference import SCALE_EXPONENT_BIAS, row_width, scale_groups
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -87,33 +88,42 @@ def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(cache_ptr, scale_ptr, rows, kv_mask, key_valid, offs_d, dtype: tl.constexpr,
-               HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr):
+def _decode_scales(codes):
+    """Scale bytes (as loaded, int8) as fp32 scales, built from their bits as the reference does."""
+    c = codes.to(tl.int32) & 0xFF
+    bits = (((c >> 3) - SCALE_EXPONENT_BIAS + 127) << 23) | ((c & 7) << 20)
+    return tl.where(c > 0, bits.to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _load_rows(cache_ptr, rows, kv_mask, offs_d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+               SCALE_GROUP: tl.constexpr, KV_INT8: tl.constexpr):
     """The K or V rows starting at element offsets `rows`, as values of `dtype`: int8 rows as their
-    codes times the fp16 scale after them, any other cache dtype converted (as the reference does)."""
+    codes times their group's scale (the bytes after the codes), any other cache dtype converted."""
     x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(tl.float32)
-    if KV_INT8:  # rows and HEAD_DIM are even: the scale is fp16 element (row + HEAD_DIM) / 2
-        scale = tl.load(scale_ptr + (rows + HEAD_DIM) // 2, mask=key_valid, other=0.0).to(tl.float32)
-        x = x * scale[:, None]
+    if KV_INT8:
+        codes = tl.load(cache_ptr + rows[:, None] + HEAD_DIM + offs_d[None, :] // SCALE_GROUP, mask=kv_mask, other=0)
+        x = x * _decode_scales(codes)
     return x.to(dtype)
 
 
 @triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, keys, key_valid, allowed,
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+    k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     offs_d, d_valid, scale_log2,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE_GROUP: tl.constexpr, KV_INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax update of every row over the key tile `keys` (logical positions)."""
     block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
     slot = keys % BLOCK_SIZE
     kv_mask = key_valid[:, None] & d_valid[None, :]
-    k = _load_rows(k_cache_ptr, k_scale_ptr, block * stride_kb + slot * stride_ks + kv_head * stride_kh, kv_mask,
-                   key_valid, offs_d, q.dtype, HEAD_DIM, KV_INT8)
-    v = _load_rows(v_cache_ptr, v_scale_ptr, block * stride_vb + slot * stride_vs + kv_head * stride_vh, kv_mask,
-                   key_valid, offs_d, q.dtype, HEAD_DIM, KV_INT8)
+    k = _load_rows(k_cache_ptr, block * stride_kb + slot * stride_ks + kv_head * stride_kh, kv_mask, offs_d, q.dtype,
+                   HEAD_DIM, SCALE_GROUP, KV_INT8)
+    v = _load_rows(v_cache_ptr, block * stride_vb + slot * stride_vs + kv_head * stride_vh, kv_mask, offs_d, q.dtype,
+                   HEAD_DIM, SCALE_GROUP, KV_INT8)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -128,7 +138,7 @@ def _attend_tile(
 
 @triton.jit
 def _tree_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_ptr, context_lens_ptr, tree_lens_ptr,
     tree_bits_ptr, dense_mask_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
@@ -141,7 +151,7 @@ def _tree_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CHAIN: tl.constexpr, USE_BITMASK: tl.constexpr, SPLIT: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
-    KV_INT8: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_GROUP: tl.constexpr, KV_INT8: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     request = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -185,9 +195,9 @@ def _tree_attention_kernel(
         key_valid = keys < context_hi
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, keys, key_valid, key_valid[None, :],
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+            k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            offs_d, d_valid, scale_log2, BLOCK_SIZE, HEAD_DIM, KV_INT8, DOT_PRECISION,
+            offs_d, d_valid, scale_log2, BLOCK_SIZE, HEAD_DIM, SCALE_GROUP, KV_INT8, DOT_PRECISION,
         )
 
     # 2. The tree's own keys (last split only), up to the tile's last node: ancestors precede a node.
@@ -210,9 +220,9 @@ def _tree_attention_kernel(
                 ) != 0
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, context_len + key_node, key_valid, is_ancestor & key_valid[None, :],
-                k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_row, kv_head,
+                k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                offs_d, d_valid, scale_log2, BLOCK_SIZE, HEAD_DIM, KV_INT8, DOT_PRECISION,
+                offs_d, d_valid, scale_log2, BLOCK_SIZE, HEAD_DIM, SCALE_GROUP, KV_INT8, DOT_PRECISION,
             )
 
     out_mask = row_valid[:, None] & d_valid[None, :]
@@ -327,10 +337,8 @@ def paged_tree_attention(
     tree_bits = meta.tree_bitmask if use_bitmask else meta.context_lens  # the unused one is a placeholder
     dense_mask = meta.ancestor_mask.view(torch.uint8)
     grid = (meta.num_requests, q_tiles, num_kv_heads * num_splits)
-    # int8 rows end in their fp16 scale: the same memory read as fp16 elements
-    k_scales, v_scales = (k_cache.view(torch.float16), v_cache.view(torch.float16)) if kv_int8 else (k_cache, v_cache)
     _tuned_attention[grid](
-        q, k_cache, v_cache, k_scales, v_scales, out,
+        q, k_cache, v_cache, out,
         meta.block_tables, meta.query_start_loc, meta.context_lens, meta.tree_lens,
         tree_bits, dense_mask,
         part_acc, part_max, part_sum,
@@ -343,7 +351,7 @@ def paged_tree_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
         IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, SPLIT=num_splits > 1, SPLIT_ALIGN=_SPLIT_ALIGN,
-        KV_INT8=kv_int8, UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        SCALE_GROUP=head_dim // scale_groups(head_dim), KV_INT8=kv_int8, UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -382,27 +390,47 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _quantize_rows(x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr, token, slot, stride_slot, heads, head_valid,
-                   d, valid, HEAD_DIM: tl.constexpr):
-    """Token `token`'s K or V heads (`[HKV_P, HEAD_DIM_P]` tile) as int8 rows in `slot`, the bits the
-    reference writes: scale fp16(max |x| / 127), codes round-half-even(x / scale) within +-127."""
-    x = tl.load(x_ptr + token * stride_xt + heads[:, None] * stride_xh + d[None, :], mask=valid, other=0.0)
+def _quantize_rows(x_ptr, stride_xt, stride_xh, cache_ptr, token, slot, stride_slot, heads, head_valid,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_P: tl.constexpr,
+                   SCALE_GROUP_P: tl.constexpr, SCALE_GROUP: tl.constexpr):
+    """Token `token`'s K or V heads as int8 rows in `slot`, the bits the reference writes: per group
+    of channels the smallest scale byte >= max |x| / 127, codes round-half-even(x / scale)."""
+    groups: tl.constexpr = HEAD_DIM_P // SCALE_GROUP_P
+    g = tl.arange(0, groups)
+    c = tl.arange(0, SCALE_GROUP_P)
+    d = g[None, :, None] * SCALE_GROUP + c[None, None, :]  # [1, groups, group]: the channel
+    valid = head_valid[:, None, None] & (c[None, None, :] < SCALE_GROUP) & (d < HEAD_DIM)
+    x = tl.load(x_ptr + token * stride_xt + heads[:, None, None] * stride_xh + d, mask=valid, other=0.0)
     x = x.to(tl.float32)
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0).to(tl.float16).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=2), 127.0)  # [heads, groups]
+    # the smallest scale byte >= scale, from its bits (as reference.encode_scales)
+    bits = scale.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127 + SCALE_EXPONENT_BIAS
+    mantissa = ((bits >> 20) & 7) + ((bits & 0xFFFFF) != 0).to(tl.int32)
+    exponent, mantissa = exponent + (mantissa >> 3), mantissa & 7
+    low = exponent < 1
+    exponent, mantissa = tl.where(low, 1, exponent), tl.where(low, 0, mantissa)
+    high = exponent > 31
+    exponent, mantissa = tl.where(high, 31, exponent), tl.where(high, 7, mantissa)
+    code = tl.where(scale > 0, exponent * 8 + mantissa, 0)
+    scale = _decode_scales(code)
     safe = tl.where(scale > 0, scale, 1.0)
-    # x + 1.5 * 2^23 rounds to an integer, half to even, for |x| <= 2^22 (here |x / safe| <= ~127)
-    codes = (tl.math.div_rn(x, safe[:, None]) + 12582912.0) - 12582912.0
+    # x + 1.5 * 2^23 rounds to an integer, half to even, for |x| <= 2^22 (here |x / safe| <= 127)
+    codes = (tl.math.div_rn(x, safe[:, :, None]) + 12582912.0) - 12582912.0
     codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
-    rows = slot * stride_slot + heads * (HEAD_DIM + 2)  # int8 elements; even, as the fp16 scale needs
-    tl.store(cache_ptr + rows[:, None] + d[None, :], codes.to(tl.int8), mask=valid)
-    tl.store(scale_ptr + (rows + HEAD_DIM) // 2, scale.to(tl.float16), mask=head_valid)
+    rows = slot * stride_slot + heads * (HEAD_DIM + HEAD_DIM // SCALE_GROUP)  # the heads' rows
+    tl.store(cache_ptr + rows[:, None, None] + d, codes.to(tl.int8), mask=valid)
+    group_valid = head_valid[:, None] & (g[None, :] * SCALE_GROUP < HEAD_DIM)
+    tl.store(cache_ptr + rows[:, None] + HEAD_DIM + g[None, :], code.to(tl.uint8).to(tl.int8, bitcast=True),
+             mask=group_valid)
 
 
 @triton.jit
 def _write_kv_int8_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, num_kv_heads,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_P: tl.constexpr,
+    SCALE_GROUP_P: tl.constexpr, SCALE_GROUP: tl.constexpr,
 ):
     """Quantize token t's K and V (`[Hkv, D]`) into int8 cache slot `slot_mapping[t]` (negative: padding)."""
     token = tl.program_id(0)
@@ -410,13 +438,11 @@ def _write_kv_int8_kernel(
     if slot < 0:
         return
     heads = tl.arange(0, HEADS_P)
-    d = tl.arange(0, HEAD_DIM_P)
     head_valid = heads < num_kv_heads
-    valid = head_valid[:, None] & (d[None, :] < HEAD_DIM)
-    _quantize_rows(k_ptr, stride_kt, stride_kh, k_cache_ptr, k_scale_ptr, token, slot, stride_slot, heads, head_valid,
-                   d, valid, HEAD_DIM)
-    _quantize_rows(v_ptr, stride_vt, stride_vh, v_cache_ptr, v_scale_ptr, token, slot, stride_slot, heads, head_valid,
-                   d, valid, HEAD_DIM)
+    _quantize_rows(k_ptr, stride_kt, stride_kh, k_cache_ptr, token, slot, stride_slot, heads, head_valid,
+                   HEAD_DIM, HEAD_DIM_P, HEADS_P, SCALE_GROUP_P, SCALE_GROUP)
+    _quantize_rows(v_ptr, stride_vt, stride_vh, v_cache_ptr, token, slot, stride_slot, heads, head_valid,
+                   HEAD_DIM, HEAD_DIM_P, HEADS_P, SCALE_GROUP_P, SCALE_GROUP)
 
 
 def write_kv(
@@ -435,10 +461,12 @@ def write_kv(
         raise ValueError("new K/V need a contiguous last (head_dim) dimension")
     row = num_kv_heads * width
     if k_cache.dtype == torch.int8:
+        group = head_dim // scale_groups(head_dim)
         _write_kv_int8_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16), slot_mapping,
+            k, v, k_cache, v_cache, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), row, num_kv_heads,
             HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim), HEADS_P=_next_pow2(num_kv_heads),
+            SCALE_GROUP_P=_next_pow2(group), SCALE_GROUP=group,
         )
         return
     _write_kv_kernel[(num_tokens,)](

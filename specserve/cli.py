@@ -291,7 +291,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_GPU_MEMORY_UTILIZATION} on a GPU")
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                    help="the KV pool's element type: auto (default: the model's dtype); fp32 or bf16; int8: codes "
-                        "with one fp16 scale per token and K/V head beside them, quantized as written and "
+                        "with a scale byte per 32 channels beside them, quantized as written and "
                         "dequantized inside attention (about half of bf16's bytes: twice the tokens in "
                         "--kv-cache-memory); fp8 (e4m3, GPUs with fp8 only): the same bytes, no scales")
     p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default=None,

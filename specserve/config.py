@@ -60,9 +60,9 @@ class EngineConfig:
     # "auto": the model directory's weights; "dummy": random weights at its config.json's shape
     # (`specserve.models.dummy`), to measure speed where the weights cannot be fetched.
     load_format: str = "auto"
-    # The KV pool's element type: "auto" (the model's dtype) or "int8": codes with one fp16 scale
-    # per token and K/V head beside them (about half of bf16's bytes, a quarter of fp32's),
-    # quantized as written and dequantized inside attention; CPU only so far.
+    # The KV pool's element type: "auto" (the model's dtype), "fp32", "bf16", "int8" (codes with a
+    # scale byte per 32 channels beside them: about half of bf16's bytes, quantized as written and
+    # dequantized inside attention) or "fp8" (e4m3, GPUs with fp8).
     kv_cache_dtype: str = "auto"
     # On CUDA, small steps (decodes and verification trees up to 512 tokens) replay forwards
     # captured at start-up as CUDA graphs (`specserve.cuda_graphs`); True runs every step eagerly.

@@ -1,5 +1,5 @@
 """Paged KV storage: per layer `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V
-(an int8 cache: `head_dim + 2`, each row's fp16 scale after its codes, `kernels.reference`).
+(an int8 cache: `head_dim` codes, then a scale byte per 32 channels, `kernels.reference`).
 
 All layers live in one tensor each for K and V, so committing an accepted path (moving its
 K/V to contiguous slots) is one indexed copy across every layer. Which blocks a request

@@ -34,8 +34,8 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
               "rope_write_kv: float32 activations into float32, bfloat16 or int8 caches");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
-              "rope_write_kv: caches must be contiguous [blocks, block_size, Hkv, D] (int8: D + 2)");
-  const int64_t W = k_cache.size(3), T = qkv.size(0), D = int8 ? W - specserve::kKvScaleBytes : W;
+              "rope_write_kv: caches must be contiguous [blocks, block_size, Hkv, D] (int8: D + a scale byte per 32)");
+  const int64_t W = k_cache.size(3), T = qkv.size(0), D = int8 ? specserve::kv_head_dim_of(W) : W;
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && D % 2 == 0, "rope_write_kv: cache heads do not fit");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
               "rope_write_kv: qkv must be [T, (heads + 2 kv_heads) * head_dim]");

@@ -289,8 +289,9 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
                   (kind == at::kFloat || kind == at::kBFloat16 || int8) && v_cache.scalar_type() == kind,
               "tree_attention: float32 or bfloat16 queries over float32, bfloat16 or int8 caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D] (int8: D + 2)");
-  TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8 ? specserve::kKvScaleBytes : 0) && q.size(1) % k_cache.size(2) == 0,
+              "tree_attention: q [T, Hq, D] and caches [blocks, block_size, Hkv, D] (int8: D + a scale byte per 32)");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (int8 ? specserve::kv_scale_groups(q.size(2)) : 0) &&
+                  q.size(1) % k_cache.size(2) == 0,
               "tree_attention: head sizes do not fit");
   const at::Tensor qc = q.contiguous(), kc = k_cache.contiguous(), vc = v_cache.contiguous();
   const at::Tensor starts = query_start_loc.to(at::kLong).contiguous(), ctx = context_lens.to(at::kLong).contiguous();

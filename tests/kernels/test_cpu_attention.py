@@ -74,7 +74,7 @@ def test_fp32_and_bf16_cpu_tensors_take_this_kernel_and_fp16_the_reference(monke
 
 
 def int8_cache(values: torch.Tensor) -> torch.Tensor:
-    """A float cache `[..., D]` as int8 cache rows `[..., D + 2]` (codes and their scale)."""
+    """A float cache `[..., D]` as int8 cache rows (codes, then a scale byte per 32 channels)."""
     return reference.quantize_kv(values)
 
 
@@ -88,7 +88,7 @@ def test_int8_caches_are_attended_as_their_dequantized_values(seed, head_dim, dt
     requests = [(rng.randrange(0, 90), random_tree(rng, rng.randrange(1, 9), "random")) for _ in range(3)]
     tables, k_cache, v_cache = paged_cache(rng, requests, 16, 2, head_dim, torch.float32)
     k8, v8 = int8_cache(k_cache * 3), int8_cache(v_cache)
-    assert k8.dtype == torch.int8 and k8.shape[-1] == head_dim + 2
+    assert k8.dtype == torch.int8 and k8.shape[-1] == reference.row_width(head_dim, torch.int8)
     q = torch.randn(sum(len(t) for _, t in requests), 6, head_dim).to(dtype)
     trees, contexts = [t for _, t in requests], [c for c, _ in requests]
     got = attend(trees, contexts, tables, k8, v8, q, block_size=16)
@@ -98,12 +98,25 @@ def test_int8_caches_are_attended_as_their_dequantized_values(seed, head_dim, dt
 
 
 def test_int8_caches_stay_near_the_values_they_quantize():
-    """Codes within half a step of each value: one scale per row, max |x| / 127."""
+    """Codes within half a step of each value: a scale per 32 channels, max |x| / 127 rounded up
+    to the next of 8 steps per octave (so no more than 1/8 coarser)."""
     x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[:, :, :32] *= 100  # an outlier half: the other half keeps its own finer scale
     rows = int8_cache(x)
-    step = x.abs().amax(dim=-1, keepdim=True) / 127
-    assert ((reference.dequantize_kv(rows, torch.float32) - x).abs() <= step * 0.5 + 1e-3 * step).all()
+    assert rows.shape[-1] == 66
+    step = x.view(50, 3, 2, 32).abs().amax(dim=-1, keepdim=True) / 127
+    error = (reference.dequantize_kv(rows, torch.float32) - x).abs().view(50, 3, 2, 32)
+    assert (error <= step * 9 / 16).all()
     assert torch.equal(reference.dequantize_kv(int8_cache(torch.zeros(2, 64)), torch.float32), torch.zeros(2, 64))
+
+
+def test_scale_bytes_round_up_to_eight_steps_per_octave_and_decode_exactly():
+    scales = torch.tensor([0.0, 1e-40, 2.0**-23, 1.0, 1.01, 1.125, 1.9999, 240.0, 1e6])
+    decoded = reference.decode_scales(reference.encode_scales(scales))
+    expected = torch.tensor([0.0, 2.0**-23, 2.0**-23, 1.0, 1.125, 1.125, 2.0, 240.0, 240.0])
+    assert torch.equal(decoded, expected)
+    valid = torch.cat([torch.zeros(1), torch.arange(8, 256)]).to(torch.uint8)  # exponent 0 only for 0
+    assert torch.equal(reference.encode_scales(reference.decode_scales(valid)), valid)
 
 
 def test_a_tree_node_over_an_int8_cache_gets_the_bits_of_the_same_token_decoded_alone():

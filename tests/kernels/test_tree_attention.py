@@ -196,9 +196,10 @@ def test_a_step_padded_to_a_fixed_size_gives_its_tokens_the_same_attention_and_w
 
 # -- Quantized caches ------------------------------------------------------------------------
 
-# The kernel dequantizes what the reference dequantizes and attends in fp32: fp32 queries agree
-# with the reference over the dequantized values as closely as over plain fp32 caches.
-QUANTIZED_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# The kernel dequantizes what the reference dequantizes and attends in fp32, so it agrees with the
+# reference over the dequantized values as over float caches; fp32 gets 5e-5 rather than 1e-5 as
+# these keys reach 10x the float tests' (scores 10x larger, their rounding too).
+QUANTIZED_TOLERANCE = {torch.float32: 5e-5, torch.bfloat16: 2e-2}
 
 
 def quantized_case(rng, trees, contexts, block_size, kv_heads, head_dim, cache_dtype):
@@ -228,7 +229,7 @@ def test_int8_caches_over_random_trees_contexts_gqa_ratios_and_block_sizes(seed)
     trees = [random_tree(rng, rng.randint(1, 40), rng.choice(SHAPES)) for _ in range(rng.randint(1, 4))]
     contexts = [rng.randint(0, 300) for _ in trees]
     meta, k8, v8 = quantized_case(rng, trees, contexts, rng.choice([16, 32, 64]), kv_heads, head_dim, torch.int8)
-    assert k8.dtype == torch.int8 and k8.shape[-1] == head_dim + reference.INT8_SCALE_BYTES
+    assert k8.dtype == torch.int8 and k8.shape[-1] == reference.row_width(head_dim, torch.int8)
     q = torch.randn(meta.num_tokens, num_heads, head_dim).to(DEVICE, rng.choice(list(QUANTIZED_TOLERANCE)))
     assert_matches_dequantized_reference(q, k8, v8, meta)
 

@@ -25,11 +25,11 @@ def test_an_int8_block_costs_about_half_of_bf16_and_a_quarter_of_fp32(head_dim):
     """Scales included: what lets an int8 pool hold 1.9x the tokens of bf16 in the same bytes."""
     block = {dtype: KVCache.bytes_per_block(config(head_dim), 16, dtype)
              for dtype in (torch.float32, torch.bfloat16, torch.int8)}
-    assert block[torch.int8] == 2 * 3 * 16 * 2 * (head_dim + reference.INT8_SCALE_BYTES)
+    assert block[torch.int8] == 2 * 3 * 16 * 2 * (head_dim + head_dim // 32)  # a scale byte per 32 channels
     assert block[torch.bfloat16] / block[torch.int8] >= 1.9
     assert block[torch.float32] / block[torch.int8] >= 3.8
     cache = KVCache.for_model(config(head_dim), 5, 16, torch.int8)
-    assert cache.k.shape == (3, 5, 16, 2, head_dim + 2) and cache.k.dtype == torch.int8
+    assert cache.k.shape == (3, 5, 16, 2, head_dim + head_dim // 32) and cache.k.dtype == torch.int8
     assert 2 * cache.k.numel() == 5 * block[torch.int8]
 
 
