@@ -351,7 +351,8 @@ def paged_tree_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
         IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, SPLIT=num_splits > 1, SPLIT_ALIGN=_SPLIT_ALIGN,
-        SCALE_GROUP=head_dim // scale_groups(head_dim), KV_INT8=kv_int8, UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        SCALE_GROUP=head_dim // scale_groups(head_dim), KV_INT8=kv_int8,
+        UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -20,9 +20,11 @@ def make_engine(path, **options) -> LLMEngine:
 @pytest.mark.parametrize("seed", range(6))
 def test_random_submits_aborts_and_preemptions_leave_no_block_behind(tiny_chat_model, seed):
     rng = random.Random(seed)
-    # 512 bytes per token (fp32, 2 layers, 2 KV heads of 16): a pool of 100-250 tokens, so requests collide
-    engine = make_engine(tiny_chat_model, block_size=rng.choice([4, 8, 16]),
-                         kv_cache_memory=rng.randint(100, 250) * 512,
+    # Per token 512 bytes in fp32 (2 layers, K and V, 2 KV heads of 16), 136 in int8 (16 codes and a
+    # scale byte per head; odd seeds): a pool of 100-250 tokens, so requests collide
+    kv_cache_dtype, token_bytes = ("int8", 2 * 2 * 2 * 17) if seed % 2 else ("auto", 512)
+    engine = make_engine(tiny_chat_model, block_size=rng.choice([4, 8, 16]), kv_cache_dtype=kv_cache_dtype,
+                         kv_cache_memory=rng.randint(100, 250) * token_bytes,
                          max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([8, 24, 64]))
     preemptions = 0
     bm = engine.block_manager
