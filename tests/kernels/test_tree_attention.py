@@ -234,6 +234,15 @@ def test_int8_caches_over_random_trees_contexts_gqa_ratios_and_block_sizes(seed)
     assert_matches_dequantized_reference(q, k8, v8, meta)
 
 
+def assert_writes_what_the_reference_writes(k, v, k_cache, v_cache):
+    """The kernel's K/V write of 10 tokens (scattered slots) leaves the caches as the reference's does."""
+    slots = torch.tensor([95, 0, 17, 18, 40, 41, 42, 63, 64, 80], device=DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k, v, expected_k, expected_v, slots)
+    triton_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_int8_write_kv_stores_the_references_codes_and_scales(seed):
     """The same bits as `reference.quantize_kv`: attention over caches either one wrote is the same."""
@@ -246,12 +255,7 @@ def test_int8_write_kv_stores_the_references_codes_and_scales(seed):
     fused[4, 0] = 0  # scale 31.75 / 127 = 0.25 exactly: codes 0.5, -1.5, 2.5 round half to even
     fused[4, 0, :4] = torch.tensor([31.75, 0.125, -0.375, 0.625])
     fused = fused.to(DEVICE)
-    k, v = fused[:, :kv_heads], fused[:, kv_heads:]
-    slots = torch.tensor([95, 0, 17, 18, 40, 41, 42, 63, 64, 80], device=DEVICE)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    reference.write_kv(k, v, expected_k, expected_v, slots)
-    triton_kernels.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert_writes_what_the_reference_writes(fused[:, :kv_heads], fused[:, kv_heads:], k_cache, v_cache)
 
 
 def test_int8_compaction_moves_rows_with_their_scales():
@@ -302,12 +306,7 @@ def test_write_kv_matches_reference(dtype):
     v_cache = torch.randn(6, 16, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     # K and V as the model makes them: views into one fused projection (strided), in fp32
     fused = torch.randn(10, 2 * kv_heads, head_dim, generator=gen).to(DEVICE)
-    k, v = fused[:, :kv_heads], fused[:, kv_heads:]
-    slots = torch.tensor([95, 0, 17, 18, 40, 41, 42, 63, 64, 80], device=DEVICE)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    reference.write_kv(k, v, expected_k, expected_v, slots)
-    triton_kernels.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert_writes_what_the_reference_writes(fused[:, :kv_heads], fused[:, kv_heads:], k_cache, v_cache)
 
 
 def test_compaction_matches_reference_across_requests_and_layers():
