@@ -392,8 +392,8 @@ def _write_kv_kernel(
 
 @triton.jit
 def _quantize_rows(x_ptr, stride_xt, stride_xh, cache_ptr, token, slot, stride_slot, heads, head_valid,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HEADS_P: tl.constexpr,
-                   SCALE_GROUP_P: tl.constexpr, SCALE_GROUP: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SCALE_GROUP_P: tl.constexpr,
+                   SCALE_GROUP: tl.constexpr):
     """Token `token`'s K or V heads as int8 rows in `slot`, the bits the reference writes: per group
     of channels the smallest scale byte >= max |x| / 127, codes round-half-even(x / scale)."""
     groups: tl.constexpr = HEAD_DIM_P // SCALE_GROUP_P
@@ -441,9 +441,9 @@ def _write_kv_int8_kernel(
     heads = tl.arange(0, HEADS_P)
     head_valid = heads < num_kv_heads
     _quantize_rows(k_ptr, stride_kt, stride_kh, k_cache_ptr, token, slot, stride_slot, heads, head_valid,
-                   HEAD_DIM, HEAD_DIM_P, HEADS_P, SCALE_GROUP_P, SCALE_GROUP)
+                   HEAD_DIM, HEAD_DIM_P, SCALE_GROUP_P, SCALE_GROUP)
     _quantize_rows(v_ptr, stride_vt, stride_vh, v_cache_ptr, token, slot, stride_slot, heads, head_valid,
-                   HEAD_DIM, HEAD_DIM_P, HEADS_P, SCALE_GROUP_P, SCALE_GROUP)
+                   HEAD_DIM, HEAD_DIM_P, SCALE_GROUP_P, SCALE_GROUP)
 
 
 def write_kv(
