@@ -44,6 +44,11 @@ def scale_groups(head_dim: int) -> int:
     return head_dim // KV_GROUP if head_dim % KV_GROUP == 0 else 1
 
 
+def scale_group_size(head_dim: int) -> int:
+    """The channels one scale byte covers in a row of `head_dim` (KV_GROUP, or the whole row)."""
+    return head_dim // scale_groups(head_dim)
+
+
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """The last dimension of a cache of `dtype`: head_dim values, plus the scale bytes for int8."""
     if dtype != torch.int8:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.reference import SCALE_EXPONENT_BIAS, row_width, scale_groups
+from kernels.reference import SCALE_EXPONENT_BIAS, row_width, scale_group_size
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -351,7 +351,7 @@ def paged_tree_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=_next_pow2(head_dim),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q,
         IS_CHAIN=meta.all_chains, USE_BITMASK=use_bitmask, SPLIT=num_splits > 1, SPLIT_ALIGN=_SPLIT_ALIGN,
-        SCALE_GROUP=head_dim // scale_groups(head_dim), KV_INT8=kv_int8,
+        SCALE_GROUP=scale_group_size(head_dim), KV_INT8=kv_int8,
         UPCAST=INTERPRET, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
     if num_splits > 1:
@@ -462,7 +462,7 @@ def write_kv(
         raise ValueError("new K/V need a contiguous last (head_dim) dimension")
     row = num_kv_heads * width
     if k_cache.dtype == torch.int8:
-        group = head_dim // scale_groups(head_dim)
+        group = scale_group_size(head_dim)
         _write_kv_int8_kernel[(num_tokens,)](
             k, v, k_cache, v_cache, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), row, num_kv_heads,
