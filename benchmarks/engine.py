@@ -11,12 +11,16 @@
 `--memory-bound` runs another case instead: many long requests (prompts of several questions
 and their replies: `--request-tokens` each) from more clients than the KV pool holds, against engines
 that differ only in the pool's dtype (`--kv-cache-dtypes`, default bf16 vs int8), in the same
-`--kv-cache-memory`, stepped in turn. Per dtype: the requests the scheduler runs at once (its
-running count after each step, mean over the second half of the steps, once the pool is full) and aggregate
-generated tok/s.
+`--kv-cache-memory`, stepped in turn for `--steps` steps each. Per dtype: the requests the
+scheduler runs at once (its running count after each step, mean over the second half of the
+steps: by then every client has finished a request, so the run is in its steady state) and
+aggregate generated tok/s. Replies are long (half of each request by default) so that the pool,
+not the step's token budget, bounds the running count: with short replies a request finishes
+before the budget's prompt chunks have filled a large pool, and both dtypes run what prefill
+keeps up with.
 
     python benchmarks/engine.py [--model smollm2-135m-instruct] [--quantization auto] [--repeats 3]
-    python benchmarks/engine.py --memory-bound [--kv-cache-memory 768MiB] [--request-tokens 2048]
+    python benchmarks/engine.py --memory-bound [--kv-cache-memory 768MiB] [--request-tokens 2048] [--steps 3000]
 """
 
 from __future__ import annotations
@@ -147,43 +151,62 @@ def memory_bound(args: argparse.Namespace, path: Path) -> None:
     reply = args.request_tokens - max(map(len, prompts))
     params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
     run_engine(first, prompts[:2], 4)  # warm-up (each engine's first steps also build its kernels)
-    loops = {kv: ClosedLoop(engine, prompts, params, concurrency=args.clients, tokens=args.tokens)
+    loops = {kv: ClosedLoop(engine, prompts, params, concurrency=args.clients, steps=args.steps)
              for kv, engine in engines.items()}
     running: dict[str, list[int]] = {kv: [] for kv in dtypes}
-    with tqdm(total=args.tokens * len(dtypes), desc="memory-bound", unit="tok") as bar:
+    with tqdm(total=args.steps * len(dtypes), desc="memory-bound", unit="step") as bar:
         while not all(loop.done for loop in loops.values()):
             for kv, loop in loops.items():
                 if not loop.done:
-                    before = loop.generated
                     loop.step()
-                    running[kv].append(len(engines[kv].scheduler.running))
-                    bar.update(loop.generated - before)
+                    if not loop.done:  # the last step ends in aborting whatever still runs
+                        running[kv].append(len(engines[kv].scheduler.running))
+                    bar.update()
     per: dict[str, dict] = {}
     for kv, loop in loops.items():
         steady = running[kv][len(running[kv]) // 2:]
         per[kv] = {"kv_cache_dtype": engines[kv].info["kv_cache_dtype"], "kv_tokens": engines[kv].num_kv_tokens,
                    "running_mean": statistics.mean(steady), "running_median": statistics.median(steady),
-                   "running_max": max(running[kv]),
+                   "running_max": max(running[kv]), "finished": len(loop.finished),
                    "tokens": loop.generated, "busy_s": loop.busy_s, "tokens_per_s": loop.generated / loop.busy_s,
                    "preemptions": sum(o.metrics.num_preemptions for o in loop.finished + loop.aborted)}
     base = per[dtypes[0]]
     rows = [[kv, f"{v['kv_cache_dtype']}", f"{v['kv_tokens']:,}", f"{v['kv_tokens'] / base['kv_tokens']:.2f}x",
              f"{v['running_mean']:.1f} (median {v['running_median']:g}, max {v['running_max']})",
-             f"{v['running_mean'] / base['running_mean']:.2f}x", f"{v['tokens_per_s']:.1f}",
+             f"{v['running_mean'] / base['running_mean']:.2f}x", str(v["finished"]), f"{v['tokens_per_s']:.1f}",
              f"{v['tokens_per_s'] / base['tokens_per_s']:.2f}x"] for kv, v in per.items()]
     caption = (f"Memory-bound serving: {args.model} ({first.info['weights']}, {first.info['dtype']} activations, "
                f"{processor_name()}, {torch.get_num_threads()} threads), {args.clients} closed-loop clients of "
                f"{min(map(len, prompts))}-{max(map(len, prompts))}-token prompts and {reply}-token greedy replies "
                f"(requests of up to {args.request_tokens} tokens), --kv-cache-memory {args.kv_cache_memory}, no "
-               f"prefix caching, no speculation, engines stepped in turn until each generated {args.tokens} tokens. "
-               f"Running: the scheduler's running count after each step, mean (and median) over the second half "
-               f"of the steps, once the pool is full.")
+               f"prefix caching, no speculation, engines stepped in turn for {args.steps} steps each. Running: the "
+               f"scheduler's running count after each step, mean (and median) over the second half of the steps "
+               f"(the steady state: every client has finished a request by then).")
     write_report(args.out, {"model": args.model, "machine": processor_name(), "clients": args.clients,
                             "kv_cache_memory": args.kv_cache_memory, "request_tokens": args.request_tokens,
                             "prompt_tokens": [len(p) for p in prompts], "reply_tokens": reply,
                             "threads": torch.get_num_threads(), "per_dtype": per, "running": running},
                  caption, ["--kv-cache-dtype", "pool", "KV tokens", "vs first", "running at once", "vs first",
-                           "tok/s", "vs first"], rows)
+                           "finished", "tok/s", "vs first"], rows)
+    plot_running(running, f"{args.out}.png")
+
+
+def plot_running(running: dict[str, list[int]], path: str) -> None:
+    """The running count after every step, one line per pool dtype."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for kv, counts in running.items():
+        ax.plot(range(1, len(counts) + 1), counts, label=f"--kv-cache-dtype {kv}")
+    ax.axvline(len(next(iter(running.values()))) // 2, color="grey", linestyle=":", label="steady state from here")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("requests running")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -204,8 +227,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="768MiB", help="memory-bound: every engine's KV pool")
     parser.add_argument("--clients", type=int, default=64, help="memory-bound: closed-loop clients")
     parser.add_argument("--request-tokens", type=int, default=2048, help="memory-bound: prompt + reply tokens")
-    parser.add_argument("--reply-tokens", type=int, default=128, help="memory-bound: about this many replied")
-    parser.add_argument("--tokens", type=int, default=4000, help="memory-bound: generated tokens per engine")
+    parser.add_argument("--reply-tokens", type=int, default=1024, help="memory-bound: about this many replied")
+    parser.add_argument("--steps", type=int, default=3000, help="memory-bound: steps per engine")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.memory_bound:

@@ -22,11 +22,11 @@ class ClosedLoop:
     `busy_s`: the time spent in this engine's calls (so loops on several engines stepped in
     turn are each timed by their own work).
 
-    With `tokens`, the clients never run out (they cycle through the prompts) and the loop is
-    done once the engine generated that many tokens; the requests still running are then
-    aborted. That measures the steady state at `concurrency` requests in flight: a fixed list
-    run to completion ends in a drain, where the clients with the slowest requests are the only
-    ones left, and that drain sets the time of the whole run.
+    With `tokens` (or `steps`), the clients never run out (they cycle through the prompts) and
+    the loop is done once the engine generated that many tokens (took that many steps); the
+    requests still running are then aborted. That measures the steady state at `concurrency`
+    requests in flight: a fixed list run to completion ends in a drain, where the clients with
+    the slowest requests are the only ones left, and that drain sets the time of the whole run.
 
     `params` may be a function of the request's number (0, 1, ...: e.g. lengths that vary by
     request, the same for every engine given the same function)."""
@@ -35,10 +35,11 @@ class ClosedLoop:
 
     def __init__(self, engine: LLMEngine, prompts: list[list[int]],
                  params: SamplingParams | Callable[[int], SamplingParams] | None,
-                 concurrency: int | None = None, tokens: int | None = None):
+                 concurrency: int | None = None, tokens: int | None = None, steps: int | None = None):
         start = time.perf_counter()
-        self.engine, self.params, self.prompts, self.target = engine, params, prompts, tokens
-        self.sent, self.generated = 0, 0
+        self.engine, self.params, self.prompts = engine, params, prompts
+        self.target, self.max_steps = tokens, steps
+        self.sent, self.generated, self.steps = 0, 0, 0
         self.finished: list[RequestOutput] = []  # in the order they finished
         self.aborted: list[RequestOutput] = []
         self._running: set[str] = set()
@@ -52,16 +53,22 @@ class ClosedLoop:
 
     def step(self) -> None:
         start = time.perf_counter()
+        self.steps += 1
         for output in self.engine.step():
             self.generated += sum(len(c.delta_token_ids) for c in output.outputs)
             if output.finished:
                 self.finished.append(output)
                 self._running.discard(output.request_id)
-                if self.target is not None or self.sent < len(self.prompts):
+                if self.endless or self.sent < len(self.prompts):
                     self._submit()
         self.busy_s += time.perf_counter() - start
-        if self.target is not None and self.generated >= self.target:
+        if (self.target is not None and self.generated >= self.target) or self.steps == self.max_steps:
             self.stop()
+
+    @property
+    def endless(self) -> bool:
+        """Whether the clients cycle through the prompts until a token or step limit stops them."""
+        return self.target is not None or self.max_steps is not None
 
     def stop(self) -> None:
         """Abort the requests still running (their blocks freed, their outputs in `aborted`): the

@@ -63,3 +63,11 @@ def test_with_a_token_target_the_clients_never_run_out_and_the_rest_is_aborted()
 def test_run_to_completion_gives_outputs_in_prompt_order_whatever_order_they_finished_in():
     outputs, _, wall = run_to_completion(CountingEngine(), [[3], [1], [2]], params=None, concurrency=3)
     assert [o.request_id for o in outputs] == ["loop-0", "loop-1", "loop-2"] and wall >= 0
+
+
+def test_with_a_step_limit_the_clients_never_run_out_and_the_loop_stops_after_that_many_steps():
+    engine = CountingEngine()
+    loop = ClosedLoop(engine, [[3], [1]], params=None, concurrency=2, steps=7)
+    run(loop)
+    assert loop.steps == 7 and len(engine.in_flight) == 7 and set(engine.in_flight) == {2}
+    assert loop.sent > 2 and loop.done and [o.request_id for o in loop.aborted]
