@@ -13,8 +13,8 @@ and their replies: `--request-tokens` each) from more clients than the KV pool h
 that differ only in the pool's dtype (`--kv-cache-dtypes`, default bf16 vs int8), in the same
 `--kv-cache-memory`, stepped in turn for `--steps` steps each. Per dtype: the requests the
 scheduler runs at once (its running count after each step, mean over the second half of the
-steps: by then every client has finished a request, so the run is in its steady state) and
-aggregate generated tok/s. Replies are long (half of each request by default) so that the pool,
+steps: by then the first requests have finished and their clients sent the next, the closed
+loop's steady state) and aggregate generated tok/s. Replies are long (half of each request by default) so that the pool,
 not the step's token budget, bounds the running count: with short replies a request finishes
 before the budget's prompt chunks have filled a large pool, and both dtypes run what prefill
 keeps up with.
@@ -181,7 +181,7 @@ def memory_bound(args: argparse.Namespace, path: Path) -> None:
                f"(requests of up to {args.request_tokens} tokens), --kv-cache-memory {args.kv_cache_memory}, no "
                f"prefix caching, no speculation, engines stepped in turn for {args.steps} steps each. Running: the "
                f"scheduler's running count after each step, mean (and median) over the second half of the steps "
-               f"(the steady state: every client has finished a request by then).")
+               f"(the steady state: the first requests have finished and their clients sent the next).")
     write_report(args.out, {"model": args.model, "machine": processor_name(), "clients": args.clients,
                             "kv_cache_memory": args.kv_cache_memory, "request_tokens": args.request_tokens,
                             "prompt_tokens": [len(p) for p in prompts], "reply_tokens": reply,

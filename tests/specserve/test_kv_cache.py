@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import reference
-from specserve.closed_loop import run_to_completion
+from specserve.closed_loop import ClosedLoop, run_to_completion
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.kv_cache import KVCache
@@ -54,6 +54,28 @@ def test_an_int8_pool_admits_about_twice_the_tokens_of_bf16_in_the_same_memory(s
     assert bf16.kv_cache.k.dtype == torch.bfloat16 and int8.kv_cache.k.dtype == torch.int8
     assert int8.num_kv_tokens >= 1.9 * bf16.num_kv_tokens
     assert int8.info["kv_cache_dtype"] == "int8"
+
+
+def test_in_the_same_memory_an_int8_pool_runs_about_twice_the_requests_at_once(dummy_model):
+    """Under a closed loop of more clients than the pool holds, the scheduler's running count in
+    the steady state follows the pool's tokens (what `engine.py --memory-bound` measures)."""
+    model = dummy_model(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)  # head_dim 64
+
+    def steady_running_count(kv_cache_dtype: str) -> float:
+        engine = LLMEngine(model, "float32", EngineConfig(kv_cache_memory="1MiB", kv_cache_dtype=kv_cache_dtype,
+                                                         speculation="off", load_format="dummy", max_num_seqs=64))
+        prompts = [[3 + (i + j) % 300 for j in range(48)] for i in range(64)]
+        loop = ClosedLoop(engine, prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                          concurrency=64, steps=240)
+        running = []
+        while not loop.done:
+            loop.step()
+            running.append(len(engine.scheduler.running))
+        assert len(loop.finished) > 2 * max(running[120:])  # every client's request turned over: a steady state
+        return sum(running[120:-1]) / len(running[120:-1])
+
+    bf16, int8 = steady_running_count("bf16"), steady_running_count("int8")
+    assert bf16 >= 8 and int8 >= 1.8 * bf16
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices():
