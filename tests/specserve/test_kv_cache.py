@@ -71,7 +71,7 @@ def test_in_the_same_memory_an_int8_pool_runs_about_twice_the_requests_at_once(d
         while not loop.done:
             loop.step()
             running.append(len(engine.scheduler.running))
-        assert len(loop.finished) > 2 * max(running[120:])  # every client's request turned over: a steady state
+        assert len(loop.finished) > 2 * max(running[120:])  # requests finished and were replaced: a steady state
         return sum(running[120:-1]) / len(running[120:-1])
 
     bf16, int8 = steady_running_count("bf16"), steady_running_count("int8")
