@@ -14,10 +14,10 @@ that differ only in the pool's dtype (`--kv-cache-dtypes`, default bf16 vs int8)
 `--kv-cache-memory`, stepped in turn for `--steps` steps each. Per dtype: the requests the
 scheduler runs at once (its running count after each step, mean over the second half of the
 steps: by then the first requests have finished and their clients sent the next, the closed
-loop's steady state) and aggregate generated tok/s. Replies are long (half of each request by default) so that the pool,
-not the step's token budget, bounds the running count: with short replies a request finishes
-before the budget's prompt chunks have filled a large pool, and both dtypes run what prefill
-keeps up with.
+loop's steady state) and aggregate generated tok/s. Replies are long (half of each request by
+default) so that the pool, not the step's token budget, bounds the running count: with short
+replies a request finishes before the budget's prompt chunks have filled a large pool, and both
+dtypes run what prefill keeps up with.
 
     python benchmarks/engine.py [--model smollm2-135m-instruct] [--quantization auto] [--repeats 3]
     python benchmarks/engine.py --memory-bound [--kv-cache-memory 768MiB] [--request-tokens 2048] [--steps 3000]
