@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The GPU acceptance of the CUDA issue in one device call (a lease is short: nothing here waits on
-# anything else). The CUDA tests and the kernel tests compiled for real, then benchmarks/gpu.py's
-# two sections as separate processes, so one that fails or runs long leaves the other's figures.
+# The GPU acceptance in one device call (a lease is short: nothing here waits on anything else).
+# Steps, each a separate process so one that fails or runs long leaves the others' figures:
+#   tests   the CUDA tests and the kernel tests compiled for real (bf16, int8 and fp8 caches)
+#   kernel  benchmarks/gpu.py's kernel section (the CUDA issue)
+#   engine  benchmarks/gpu.py's engine section (the CUDA issue)
+#   kv      benchmarks/kernels.py over bf16, int8 and fp8 caches (the quantized-KV issue)
 # Logs and results go to $OUT (the device tool's folder; /tmp/gpu-acceptance elsewhere).
 #
-#     bash benchmarks/gpu_acceptance.sh            # about 10 minutes on an H100/H200
+#     bash benchmarks/gpu_acceptance.sh                  # all steps, about 13 minutes on an H100/H200
+#     STEPS="tests kv" bash benchmarks/gpu_acceptance.sh # the quantized-KV issue's points, about 6
 #
 # Needs pytest-xdist (the lent GPU machines' image has it; WORKERS=0 runs the tests in one process).
 set -u
 OUT=${OUT:-/tmp/gpu-acceptance}
-mkdir -p "$OUT/kernel" "$OUT/engine"
+STEPS=" ${STEPS:-tests kernel engine kv} "
+mkdir -p "$OUT/kernel" "$OUT/engine" "$OUT/kv"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-/tmp/specserve-cache}
 PYTHON=${PYTHON:-python3}
@@ -21,6 +26,7 @@ PYTHON=${PYTHON:-python3}
 # The CPU half of the CPU/GPU equality test needs our C++ kernels: build them while the GPU tests compile.
 $PYTHON -c "import kernels.native as n; n.load(); print('cpu kernels', n.isa())" >>"$OUT/machine.txt" 2>&1 &
 
+if [[ $STEPS == *" tests "* ]]; then
 # SIGINT at the time limit: pytest still prints its failures. One tuning config per kernel: the
 # tests check results, and tuning every shape's six configs made them outrun the limit.
 SPECSERVE_TRITON_AUTOTUNE=0 timeout -s INT "${TESTS_S:-200}" $PYTHON -m pytest -q -p no:randomly \
@@ -28,11 +34,22 @@ SPECSERVE_TRITON_AUTOTUNE=0 timeout -s INT "${TESTS_S:-200}" $PYTHON -m pytest -
   tests/kernels/test_tree_attention.py tests/kernels/test_metadata.py tests/specserve/test_cuda_graphs.py \
   tests/specserve/test_device.py 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -60
 echo "tests: exit ${PIPESTATUS[0]}"
+fi
 wait
 
+if [[ $STEPS == *" kernel "* ]]; then
 timeout "${KERNEL_S:-130}" $PYTHON benchmarks/gpu.py --out "$OUT/kernel" --skip engine --budget-s 330 \
   2>&1 | tr '\r' '\n' | grep -v "/s\]" | tee "$OUT/kernel/log.txt" | tail -45
 echo "kernel: exit ${PIPESTATUS[0]}"
+fi
+if [[ $STEPS == *" engine "* ]]; then
 timeout "${ENGINE_S:-250}" $PYTHON benchmarks/gpu.py --out "$OUT/engine" --skip kernel --budget-s 215 \
   2>&1 | tr '\r' '\n' | grep -v "/s\]" | tee "$OUT/engine/log.txt" | tail -45
 echo "engine: exit ${PIPESTATUS[0]}"
+fi
+if [[ $STEPS == *" kv "* ]]; then
+timeout "${KV_S:-200}" $PYTHON benchmarks/kernels.py --out "$OUT/kv/kernels" --batches 1 8 32 64 \
+  --contexts 2048 8192 --trees 1 16 64 --rep-ms 100 --kv-dtypes int8 fp8 \
+  2>&1 | tr '\r' '\n' | grep -v "/s\]" | tee "$OUT/kv/log.txt" | tail -30
+echo "kv: exit ${PIPESTATUS[0]}"
+fi

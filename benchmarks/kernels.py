@@ -214,6 +214,7 @@ def main() -> None:
                      f"{100 * record['fraction_of_copy']:.0f}%",
                      "-" if sheet_bw is None else f"{100 * record['fraction_of_datasheet']:.0f}%", f"{error:.1e}",
                      *(f"{ms[f'kernel_{n}']:.3f} ({record['quantized'][n]['vs_bf16']:.2f}x)" for n in kv_dtypes)])
+        tqdm.write(" | ".join(rows[-1]))  # each row as measured: a run cut short still shows what it reached
         del q, k_cache, v_cache, meta, contenders, expected, sdpa_gqa, sdpa_expanded
         if args.device == "cuda":
             torch.cuda.empty_cache()

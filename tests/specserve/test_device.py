@@ -15,10 +15,10 @@ from specserve.sampling import SamplingParams, SpeculationParams
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9], [3, 4, 5], list(range(20, 60))]
 
 
-def greedy(path: Path, device: str, draft: str, graphs: bool) -> list[list[int]]:
+def greedy(path: Path, device: str, draft: str, graphs: bool, kv_cache_dtype: str = "auto") -> list[list[int]]:
     speculation = {"speculation": "fixed", "max_tree_tokens": 4} if draft != "none" else {}
     llm = LLM(str(path), draft=draft, dtype="float32", device=device, max_num_seqs=4, max_num_batched_tokens=64,
-              kv_cache_memory="4MiB", enforce_eager=not graphs, **speculation)
+              kv_cache_memory="4MiB", kv_cache_dtype=kv_cache_dtype, enforce_eager=not graphs, **speculation)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -31,6 +31,19 @@ def test_the_engine_on_a_gpu_generates_the_cpus_greedy_tokens(tiny_checkpoint, d
     on_cpu = greedy(path, "cpu", draft, graphs=False)
     assert greedy(path, "cuda", draft, graphs=False) == on_cpu
     assert greedy(path, "cuda", draft, graphs=True) == on_cpu
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_speculation_over_a_quantized_cache_on_a_gpu_generates_what_decoding_over_it_does(tiny_checkpoint,
+                                                                                          kv_cache_dtype):
+    """Lossless against the served model: the tree's K/V are quantized as they are written, so
+    a verified tree reads what decoding the same tokens one by one would have read."""
+    path = tiny_checkpoint("llama", vocab_size=300)
+    synthetic_tokenizer(ModelConfig.from_dir(path)).save_pretrained(path)
+    decoded = greedy(path, "cuda", "none", graphs=False, kv_cache_dtype=kv_cache_dtype)
+    assert greedy(path, "cuda", "ngram", graphs=False, kv_cache_dtype=kv_cache_dtype) == decoded
+    assert greedy(path, "cuda", "ngram", graphs=True, kv_cache_dtype=kv_cache_dtype) == decoded
 
 
 @pytest.mark.cuda
