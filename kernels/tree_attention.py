@@ -63,6 +63,8 @@ def _interpret_triton_language() -> None:
 if INTERPRET:
     _interpret_triton_language()
 BITMASK_MAX_NODES = 64  # one int64 of ancestor bits per node
+# Globals a compiled kernel reads must be constexpr (the interpreter reads any global; the compiler refuses).
+_SCALE_BIAS = tl.constexpr(SCALE_EXPONENT_BIAS)
 _LOG2E = 1.4426950408889634
 
 
@@ -91,7 +93,7 @@ def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_scales(codes):
     """Scale bytes (as loaded, int8) as fp32 scales, built from their bits as the reference does."""
     c = codes.to(tl.int32) & 0xFF
-    bits = (((c >> 3) - SCALE_EXPONENT_BIAS + 127) << 23) | ((c & 7) << 20)
+    bits = (((c >> 3) - _SCALE_BIAS + 127) << 23) | ((c & 7) << 20)
     return tl.where(c > 0, bits.to(tl.float32, bitcast=True), 0.0)
 
 
@@ -100,7 +102,7 @@ def _load_rows(cache_ptr, rows, kv_mask, offs_d, dtype: tl.constexpr, HEAD_DIM: 
                SCALE_GROUP: tl.constexpr, KV_INT8: tl.constexpr):
     """The K or V rows starting at element offsets `rows`, as values of `dtype`: int8 rows as their
     codes times their group's scale (the bytes after the codes), any other cache dtype converted."""
-    x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(tl.float32)
+    x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
     if KV_INT8:
         codes = tl.load(cache_ptr + rows[:, None] + HEAD_DIM + offs_d[None, :] // SCALE_GROUP, mask=kv_mask, other=0)
         x = x * _decode_scales(codes)
@@ -406,7 +408,7 @@ def _quantize_rows(x_ptr, stride_xt, stride_xh, cache_ptr, token, slot, stride_s
     scale = tl.math.div_rn(tl.max(tl.abs(x), axis=2), 127.0)  # [heads, groups]
     # the smallest scale byte >= scale, from its bits (as reference.encode_scales)
     bits = scale.to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) - 127 + SCALE_EXPONENT_BIAS
+    exponent = ((bits >> 23) & 0xFF) - 127 + _SCALE_BIAS
     mantissa = ((bits >> 20) & 7) + ((bits & 0xFFFFF) != 0).to(tl.int32)
     exponent, mantissa = exponent + (mantissa >> 3), mantissa & 7
     low = exponent < 1
