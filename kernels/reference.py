@@ -113,7 +113,10 @@ def write_kv(
     num_kv_heads, width = k_cache.shape[-2:]
     for new, cache in ((k, k_cache), (v, v_cache)):
         rows = quantize_kv(new) if cache.dtype == torch.int8 else new.to(cache.dtype)
-        cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, rows)
+        slots = cache.view(-1, num_kv_heads, width)
+        if cache.dtype == torch.float8_e4m3fn:  # CUDA's index_copy_ has no fp8 kernel: copy the bytes
+            slots, rows = slots.view(torch.uint8), rows.view(torch.uint8)
+        slots.index_copy_(0, slot_mapping, rows)
 
 
 def paged_tree_attention(

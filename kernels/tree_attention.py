@@ -72,7 +72,8 @@ def _attention_configs() -> list[triton.Config]:
     if INTERPRET:  # the interpreter runs one config; larger key tiles mean fewer interpreted steps
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
     if os.environ.get("SPECSERVE_TRITON_AUTOTUNE", "1") == "0":  # e.g. tests: skip the tuning compiles
-        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2)]
+        # the one config of the list that spills no registers on sm_90 over bf16, int8 or fp8 caches
+        return [triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=3)]
     return [
         triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
         for block_n, warps, stages in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2))
@@ -98,14 +99,29 @@ def _decode_scales(codes):
 
 
 @triton.jit
-def _load_rows(cache_ptr, rows, kv_mask, offs_d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _load_rows(cache_ptr, rows, key_valid, d_valid, offs_d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
                SCALE_GROUP: tl.constexpr, KV_INT8: tl.constexpr):
     """The K or V rows starting at element offsets `rows`, as values of `dtype`: int8 rows as their
     codes times their group's scale (the bytes after the codes), any other cache dtype converted."""
-    x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    if KV_INT8:  # rows start at multiples of their width (checked on launch): show the compiler, for wide loads
+        row_width: tl.constexpr = HEAD_DIM + HEAD_DIM // SCALE_GROUP
+        rows = rows // row_width * row_width
+    x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=key_valid[:, None] & d_valid[None, :],
+                other=0.0).to(tl.float32)
     if KV_INT8:
-        codes = tl.load(cache_ptr + rows[:, None] + HEAD_DIM + offs_d[None, :] // SCALE_GROUP, mask=kv_mask, other=0)
-        x = x * _decode_scales(codes)
+        # One scale byte per (row, group), decoded once and broadcast over its channels: per
+        # element loads and bit arithmetic spilled registers (2-4 KB of stack on sm_90).
+        n: tl.constexpr = x.shape[0]
+        width: tl.constexpr = x.shape[1]  # head_dim padded to a power of two
+        if SCALE_GROUP == HEAD_DIM:
+            codes = tl.load(cache_ptr + rows + HEAD_DIM, mask=key_valid, other=0)
+            x = x * _decode_scales(codes)[:, None]
+        else:  # groups of a power-of-two size (KV_GROUP): the padded row splits into whole groups
+            groups: tl.constexpr = width // SCALE_GROUP
+            g = tl.arange(0, groups)
+            group_mask = key_valid[:, None] & (g < HEAD_DIM // SCALE_GROUP)[None, :]
+            codes = tl.load(cache_ptr + rows[:, None] + HEAD_DIM + g[None, :], mask=group_mask, other=0)
+            x = tl.reshape(tl.reshape(x, (n, groups, SCALE_GROUP)) * _decode_scales(codes)[:, :, None], (n, width))
     return x.to(dtype)
 
 
@@ -121,11 +137,10 @@ def _attend_tile(
     """One online-softmax update of every row over the key tile `keys` (logical positions)."""
     block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
     slot = keys % BLOCK_SIZE
-    kv_mask = key_valid[:, None] & d_valid[None, :]
-    k = _load_rows(k_cache_ptr, block * stride_kb + slot * stride_ks + kv_head * stride_kh, kv_mask, offs_d, q.dtype,
-                   HEAD_DIM, SCALE_GROUP, KV_INT8)
-    v = _load_rows(v_cache_ptr, block * stride_vb + slot * stride_vs + kv_head * stride_vh, kv_mask, offs_d, q.dtype,
-                   HEAD_DIM, SCALE_GROUP, KV_INT8)
+    k = _load_rows(k_cache_ptr, block * stride_kb + slot * stride_ks + kv_head * stride_kh, key_valid, d_valid,
+                   offs_d, q.dtype, HEAD_DIM, SCALE_GROUP, KV_INT8)
+    v = _load_rows(v_cache_ptr, block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_valid, d_valid,
+                   offs_d, q.dtype, HEAD_DIM, SCALE_GROUP, KV_INT8)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -321,6 +336,8 @@ def paged_tree_attention(
                          "use SPECSERVE_ATTENTION=reference")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last (head_dim) dimension")
+    if kv_int8 and any(c.stride(d) % width for c in (k_cache, v_cache) for d in range(3)):
+        raise ValueError(f"an int8 cache's rows must start at multiples of their width {width}")
     group = num_heads // num_kv_heads
     group_p = _next_pow2(group)
     block_q = _rows_per_head_group(meta.max_tree_len, group_p)

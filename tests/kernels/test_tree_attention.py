@@ -213,7 +213,10 @@ def quantized_case(rng, trees, contexts, block_size, kv_heads, head_dim, cache_d
 def assert_matches_dequantized_reference(q, k_cache, v_cache, meta):
     scale = q.shape[-1] ** -0.5
     out = triton_kernels.paged_tree_attention(q, k_cache, v_cache, meta, scale)
-    keys, values = (reference.dequantize_kv(c, torch.float32) for c in (k_cache, v_cache))
+    # A compiled kernel dequantizes into the queries' dtype before its fp32-accumulating products;
+    # the interpreter upcasts bf16 (its bf16 arithmetic is wrong) and so dequantizes into fp32.
+    rows_dtype = q.dtype if DEVICE == "cuda" else torch.float32
+    keys, values = (reference.dequantize_kv(c, rows_dtype).float() for c in (k_cache, v_cache))
     expected = reference.paged_tree_attention(q.float(), keys, values, meta, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     tol = QUANTIZED_TOLERANCE[q.dtype]
