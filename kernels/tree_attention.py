@@ -103,9 +103,6 @@ def _load_rows(cache_ptr, rows, key_valid, d_valid, offs_d, dtype: tl.constexpr,
                SCALE_GROUP: tl.constexpr, KV_INT8: tl.constexpr):
     """The K or V rows starting at element offsets `rows`, as values of `dtype`: int8 rows as their
     codes times their group's scale (the bytes after the codes), any other cache dtype converted."""
-    if KV_INT8:  # rows start at multiples of their width (checked on launch): show the compiler, for wide loads
-        row_width: tl.constexpr = HEAD_DIM + HEAD_DIM // SCALE_GROUP
-        rows = rows // row_width * row_width
     x = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=key_valid[:, None] & d_valid[None, :],
                 other=0.0).to(tl.float32)
     if KV_INT8:
@@ -137,10 +134,15 @@ def _attend_tile(
     """One online-softmax update of every row over the key tile `keys` (logical positions)."""
     block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
     slot = keys % BLOCK_SIZE
-    k = _load_rows(k_cache_ptr, block * stride_kb + slot * stride_ks + kv_head * stride_kh, key_valid, d_valid,
-                   offs_d, q.dtype, HEAD_DIM, SCALE_GROUP, KV_INT8)
-    v = _load_rows(v_cache_ptr, block * stride_vb + slot * stride_vs + kv_head * stride_vh, key_valid, d_valid,
-                   offs_d, q.dtype, HEAD_DIM, SCALE_GROUP, KV_INT8)
+    if KV_INT8:  # rows start at multiples of their width (checked on launch): said so, the loads are wide
+        width: tl.constexpr = HEAD_DIM + HEAD_DIM // SCALE_GROUP
+        k_rows = (block * (stride_kb // width) + slot * (stride_ks // width) + kv_head * (stride_kh // width)) * width
+        v_rows = (block * (stride_vb // width) + slot * (stride_vs // width) + kv_head * (stride_vh // width)) * width
+    else:
+        k_rows = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+        v_rows = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+    k = _load_rows(k_cache_ptr, k_rows, key_valid, d_valid, offs_d, q.dtype, HEAD_DIM, SCALE_GROUP, KV_INT8)
+    v = _load_rows(v_cache_ptr, v_rows, key_valid, d_valid, offs_d, q.dtype, HEAD_DIM, SCALE_GROUP, KV_INT8)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
