@@ -43,6 +43,7 @@ class ClosedLoop:
         self.finished: list[RequestOutput] = []  # in the order they finished
         self.aborted: list[RequestOutput] = []
         self._running: set[str] = set()
+        self.closed = False  # `close`d: the clients send nothing more
         for _ in range(min(concurrency or len(prompts), len(prompts))):
             self._submit()
         self.busy_s = time.perf_counter() - start
@@ -59,7 +60,7 @@ class ClosedLoop:
             if output.finished:
                 self.finished.append(output)
                 self._running.discard(output.request_id)
-                if self.endless or self.sent < len(self.prompts):
+                if not self.closed and (self.endless or self.sent < len(self.prompts)):
                     self._submit()
         self.busy_s += time.perf_counter() - start
         if (self.target is not None and self.generated >= self.target) or self.steps == self.max_steps:
@@ -69,6 +70,10 @@ class ClosedLoop:
     def endless(self) -> bool:
         """Whether the clients cycle through the prompts until a token or step limit stops them."""
         return self.target is not None or self.max_steps is not None
+
+    def close(self) -> None:
+        """The clients send nothing more; the requests in flight run to completion (then `done`)."""
+        self.closed = True
 
     def stop(self) -> None:
         """Abort the requests still running (their blocks freed, their outputs in `aborted`): the

@@ -5,7 +5,9 @@ training at each epoch and where the budget stops it) and checks the budget only
 it has saved. A run stopped by the budget therefore loses nothing, and the same command run again
 goes on where it stopped: on a CPU a whole training run may take hours, in pieces that fit the
 time a user has. A stage checks only once it has saved something in this run, so every run moves
-forward, even on a budget shorter than one unit of work (it then overruns by that unit).
+forward, even on a budget shorter than one unit of work (it then overruns by that unit). Stages
+that generate stop sending requests when the budget runs out and let those in flight finish, so
+no generated token is thrown away (they overrun by the longest of those requests).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.models.llama import LlamaForCausalLM
-from specserve.training.budget import Budget, BudgetSpent
+from specserve.training.budget import Budget
 from specserve.tree import TokenTree
 
 DEFAULT_DATA = ("gpteacher_roleplay.json", "gpteacher_toolformer.json")
@@ -129,9 +129,10 @@ def answer(engine, instructions: Sequence[Chat], settings: GenerationSettings, c
             for out in loop.finished:
                 record(kept[loop.number(out)], Example(list(out.prompt_token_ids), list(out.outputs[0].token_ids)))
             loop.finished.clear()
-            if not loop.done and len(done) > len(instructions) - len(todo) and budget.spent:  # moved forward
-                loop.stop()  # the unfinished answers are not saved: a resumed run asks for them again
-                raise BudgetSpent("answers", f"{len(done)} of {len(instructions)} answered")
+            if budget.spent:  # let the answers in flight finish: all are saved, none generated in vain
+                loop.close()
+        if len(done) < len(instructions):
+            budget.check("answers", f"{len(done)} of {len(instructions)} answered")
     return [done[i] for i in range(len(instructions))]
 
 

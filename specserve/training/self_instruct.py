@@ -246,8 +246,8 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
                     sink.write(json.dumps(asdict(written[saved])) + "\n")
                     saved += 1
                 sink.flush()
-                if saved and budget.spent:  # this run moved forward
-                    loop.stop()
+                if budget.spent:  # let the candidates in flight finish: all are saved, none written in vain
+                    loop.close()
             if _kept(candidates) < count and len(candidates) > loaded:
                 budget.check(stage, f"{_kept(candidates)} of {count} written")
     chosen = [c for c in candidates if not c.why][:count]

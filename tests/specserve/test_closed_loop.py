@@ -71,3 +71,13 @@ def test_with_a_step_limit_the_clients_never_run_out_and_the_loop_stops_after_th
     run(loop)
     assert loop.steps == 7 and len(engine.in_flight) == 7 and set(engine.in_flight) == {2}
     assert loop.sent > 2 and loop.done and [o.request_id for o in loop.aborted]
+
+
+def test_a_closed_loop_sends_nothing_more_and_its_requests_in_flight_finish():
+    engine = CountingEngine()
+    loop = ClosedLoop(engine, [[3], [1], [2], [5]], params=None, concurrency=2)
+    loop.step()  # loop-1 finishes and its client sends loop-2
+    loop.close()
+    run(loop)
+    assert sorted(o.request_id for o in loop.finished) == ["loop-0", "loop-1", "loop-2"]
+    assert loop.sent == 3 and not loop.aborted and loop.generated == 3 + 1 + 2

@@ -169,8 +169,8 @@ def test_a_target_that_writes_nothing_usable_is_stopped_with_a_message(dummy_mod
         write_prompts(engine, 2, tmp_path / "prompts.jsonl", spec_bench, progress=False)
 
 
-def test_a_budget_that_runs_out_mid_batch_keeps_the_written_start_and_frees_the_engine(dummy_model, spec_bench,
-                                                                                      tmp_path, monkeypatch):
+def test_a_budget_that_runs_out_mid_batch_lets_the_candidates_in_flight_finish_and_keeps_them_all(
+        dummy_model, spec_bench, tmp_path, monkeypatch):
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
     from specserve.training import self_instruct
@@ -181,15 +181,19 @@ def test_a_budget_that_runs_out_mid_batch_keeps_the_written_start_and_frees_the_
                        EngineConfig(load_format="dummy", speculation="off", kv_cache_memory="64MiB"))
     cache = tmp_path / "prompts.jsonl"
 
-    class SpentOnceTheFirstBatchIsSaved(Budget):
+    class SpentOnceOneIsSaved(Budget):
         @property
         def spent(self) -> bool:
-            return cache.exists() and len(cache.read_text().splitlines()) >= 16
+            return cache.exists() and len(cache.read_text().splitlines()) >= 1
 
-    # Batches of 16 candidates, all dropped (a random model's turns never end): the budget runs out
-    # once the first is saved, and the second is cut when its first candidate is written.
+    aborted = []
+    monkeypatch.setattr(engine, "abort", lambda request_id: aborted.append(request_id))
+    # A batch of 16 candidates (all dropped: a random model's turns never end), 4 in flight: the
+    # budget runs out when the first is saved; the clients send no more, and those in flight
+    # finish and are saved (none aborted).
     with pytest.raises(BudgetSpent, match="'prompts' \\(0 of 2 written\\)"):
-        write_prompts(engine, 2, cache, spec_bench, progress=False, budget=SpentOnceTheFirstBatchIsSaved())
+        write_prompts(engine, 2, cache, spec_bench, max_in_flight=4, progress=False, budget=SpentOnceOneIsSaved())
     written = [json.loads(line) for line in cache.read_text().splitlines()]
-    assert [c["index"] for c in written] == list(range(len(written))) and len(written) >= 16
+    assert [c["index"] for c in written] == list(range(len(written))) and 4 <= len(written) < 16
+    assert not aborted
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
