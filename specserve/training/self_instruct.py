@@ -246,8 +246,9 @@ def _write(engine, count: int, recipe: Callable[[int], tuple[list[int], Candidat
                     sink.write(json.dumps(asdict(written[saved])) + "\n")
                     saved += 1
                 sink.flush()
-                if budget.spent:  # let the candidates in flight finish: all are saved, none written in vain
-                    loop.close()
+                unsaved_kept = sum(not c.why for k, c in written.items() if k >= saved)
+                if budget.spent or _kept(candidates) + unsaved_kept >= count:
+                    loop.close()  # send no more; those in flight finish and are saved, none written in vain
             if _kept(candidates) < count and len(candidates) > loaded:
                 budget.check(stage, f"{_kept(candidates)} of {count} written")
     chosen = [c for c in candidates if not c.why][:count]

@@ -120,6 +120,19 @@ def test_written_prompts_resume_from_their_cache_and_extend_it(smollm2_path, spe
     assert [c.text for c in more[:6]] == [c.text for c in first] and len(more) == 9
 
 
+def test_a_batch_sends_no_more_candidates_once_enough_are_kept(smollm2_path, spec_bench, tmp_path):
+    from specserve.config import EngineConfig
+    from specserve.engine import LLMEngine
+
+    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", quantization="none",
+                                                             kv_cache_memory="256MiB"))
+    cache = tmp_path / "prompts.jsonl"
+    chosen, _ = write_prompts(engine, 3, cache, spec_bench, max_in_flight=2, progress=False)
+    # A batch is 16 candidates (at least twice those still needed): once 3 are kept, only the 2 in
+    # flight still finish (and are saved).
+    assert len(chosen) == 3 and len(cache.read_text().splitlines()) < 16
+
+
 @pytest.mark.slow
 def test_follow_ups_continue_each_exchange_in_turn_and_resume(smollm2_path, spec_bench, tmp_path):
     from specserve.config import EngineConfig
