@@ -219,15 +219,18 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
+    untuned = os.environ.get("SPECSERVE_TRITON_AUTOTUNE") == "0"
+    tuning = "one for every shape and cache dtype (SPECSERVE_TRITON_AUTOTUNE=0)" if untuned else "autotuned per shape"
     result = dict(device=device, copy_bytes_per_s=copy_bw, datasheet_bytes_per_s=sheet_bw,
                   torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                  config=vars(args), results=records)
+                  config=vars(args), autotuned=not untuned, results=records)
     timing = "CUDA events, do_bench" if args.device == "cuda" else "perf_counter; interpreter smoke run"
     sheet = "unknown" if sheet_bw is None else f"{sheet_bw / 1e12:.2f} TB/s"
     caption = (f"Tree attention on {device}, bf16, {args.heads} query / {args.kv_heads} KV heads x {args.head_dim}, "
                f"block size {args.block_size}; median ms ({timing}). K/V bandwidth of the kernel against a "
                f"device-to-device copy measured in this run ({copy_bw / 1e12:.2f} TB/s) and the datasheet ({sheet}). "
-               f"sdpa = dense-mask SDPA over pre-gathered K/V (gather untimed); reference = our torch path.")
+               f"sdpa = dense-mask SDPA over pre-gathered K/V (gather untimed); reference = our torch path. "
+               f"Kernel configs: {tuning}.")
     header = ["batch", "context", "tree", "kernel ms", "sdpa ms", "reference ms", "vs sdpa", "vs reference",
               "TB/s", "of copy", "of datasheet", "max err", *(f"{n} ms (vs bf16)" for n in kv_dtypes)]
     write_report(args.out, result, caption, header, rows)
