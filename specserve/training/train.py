@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from drafters.heads import HEAD_KINDS, HeadConfig, save_head, target_fingerprint
 from specserve.ablation.config import SPEC_BENCH  # evaluation only: self-written prompts are checked against it
+from specserve.models.loader import default_dtype
 from specserve.training.budget import Budget, BudgetSpent
 from specserve.training.data import (
     DEFAULT_DATA,
@@ -300,7 +301,7 @@ def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool,
     passes = settings.unroll if head.kind == "feature" else 1
     loss, agreed, past = torch.zeros((), device=device), [], []
     for _ in range(passes):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_fast_bf16(device)):
             logits, out, kv = head(tokens, inputs, past)
         past.append(kv)
         rows, states = logits[mask].float(), out[mask].float()
@@ -312,6 +313,12 @@ def _loss(head: TrainableHead, batch, settings: TrainSettings, noise: bool,
         # The next pass: row i reads the feature row i - 1 predicted (a drafted node its parent's).
         inputs = F.pad(out[:, :-1].float(), (0, 0, 1, 0))
     return loss / passes, agreed, int(mask.sum())
+
+
+def _fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 autocast speeds training up there: on a GPU, or a CPU with native bf16. On a
+    CPU without (AVX2 only) a bf16 step of the feature head took 34x an fp32 one (214 s vs 6.3 s)."""
+    return device.type != "cpu" or default_dtype() == torch.bfloat16
 
 
 def _vocab_index(head: TrainableHead, tokens: torch.Tensor) -> torch.Tensor:
