@@ -16,10 +16,15 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specserve.engine import LLMEngine, Prompt
 from specserve.outputs import RequestOutput
+from specserve.parallel import RankDiedError
 from specserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.metrics import ServerMetrics
 
 logger = logging.getLogger("specserve")
 
@@ -113,6 +118,8 @@ class AsyncEngine:
                 return
             finally:
                 built.set()
+            if self.engine.executor is not None:  # a dead tensor-parallel rank ends the loop, even idle
+                self.engine.executor.on_failure = lambda message: self._inbox.put(("fatal", RankDiedError(message)))
             self._loop()
 
         self._thread = threading.Thread(target=run, name="specserve-engine", daemon=True)
@@ -161,6 +168,11 @@ class AsyncEngine:
         self._stopped = True
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
+        self.engine.close()
+
+    async def metrics_text(self, server: ServerMetrics) -> str:
+        """`/metrics`: the server's counters with the engine's state, read now."""
+        return server.render(self.engine)
 
     @property
     def num_unfinished(self) -> int:
@@ -180,6 +192,8 @@ class AsyncEngine:
                         break
                     if message[0] == "stop":
                         return
+                    if message[0] == "fatal":
+                        raise message[1]
                     self._handle(message)
                     block = False
                 if self.engine.has_unfinished():

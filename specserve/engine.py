@@ -43,10 +43,21 @@ from specserve.calibration import load_or_measure
 from specserve.config import EngineConfig, gpu_kv_budget
 from specserve.cuda_graphs import padded_sizes
 from specserve.detokenizer import TextStream, load_tokenizer
+from specserve.frontend import Frontend, Limits
 from specserve.kv_cache import KVCache
 from specserve.model_runner import ForwardResult, ModelRunner, RequestRows, TreeRequest
+from specserve.models.config import ModelConfig
 from specserve.models.loader import load_model
 from specserve.outputs import RequestOutput, completion_output, request_metrics
+from specserve.parallel import (
+    StepCall,
+    TensorParallelExecutor,
+    TensorParallelRunner,
+    check_shardable,
+    local_config,
+    shard_model,
+    start_workers,
+)
 from specserve.sampling import SamplingParams, normalized_drafter_spec
 from specserve.scheduler import ScheduledSequence, Scheduler
 from specserve.sequence import Sequence, SpecStats, TokenLogprob
@@ -79,7 +90,25 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model_path = Path(model_path)
         device = self.config.torch_device
-        self.model = load_model(model_path, dtype, self.config.quantization, self.config.load_format, device)
+        world = self.config.tensor_parallel_size
+        # Split plain weights only: a GGUF's own blocks ("auto") become its exactly dequantized ones
+        split = self.config.splits_target
+        quantization = "none" if split and self.config.quantization == "auto" else self.config.quantization
+        self.executor: TensorParallelExecutor | None = None  # ranks 1.. of a split target
+        if split:
+            check_shardable(ModelConfig.from_dir(self.model_path), world)
+            self.executor = start_workers(world, model_path, dtype, quantization, self.config.load_format, device)
+        try:
+            self._build(dtype, quantization, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, dtype: str | torch.dtype | None, quantization: str, device: torch.device) -> None:
+        model_path = self.model_path
+        self.model = load_model(model_path, dtype, quantization, self.config.load_format, device)
+        if self.executor is not None:
+            shard_model(self.model, 0, self.executor.world)
         # A dummy model's directory may hold no tokenizer (configs/models/): a synthetic one then
         self.tokenizer = load_tokenizer(model_path, self.model.config if self.config.load_format == "dummy" else None)
         model_config = self.model.config
@@ -95,7 +124,9 @@ class LLMEngine:
         self._draft_target: DraftTarget | None = None
         self.drafter = self._build_drafter(self.config.draft, at_start=True)
         self.kv_dtype = self.config.kv_dtype(self.model.dtype)  # the target's pool (drafters keep their own dtype)
-        per_block = KVCache.bytes_per_block(model_config, block_size, self.kv_dtype)
+        # This rank's share of the heads (the whole model's without tensor parallelism)
+        pool_config = local_config(model_config, self.config.tensor_parallel_size)
+        per_block = KVCache.bytes_per_block(pool_config, block_size, self.kv_dtype)
         per_block += sum(d.kv_bytes_per_block(block_size, model_config, self.model.dtype)
                          for d in self._parts.values() if isinstance(d, OwnsKV))
         self.kv_bytes_per_block = per_block  # the target's K/V and every drafter's own
@@ -105,11 +136,12 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv cache memory of {kv_bytes} bytes holds no block "
                              f"({per_block} bytes each): raise --kv-cache-memory")
-        self.kv_cache = KVCache.for_model(model_config, num_blocks, block_size, self.kv_dtype, device)
+        self.kv_cache = KVCache.for_model(pool_config, num_blocks, block_size, self.kv_dtype, device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.policy: SpeculationPolicy = AdaptivePolicy() if self.config.speculation == "adaptive" else FixedPolicy()
         self.scheduler = Scheduler(self.config, self.block_manager, self.policy)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = (ModelRunner(self.model, self.kv_cache) if self.executor is None
+                       else TensorParallelRunner(self.model, self.kv_cache, self.executor))
         self._draft_target = DraftTarget(self.runner, num_blocks, block_size, model_config.vocab_size, self.model_path)
         for part in self._parts.values():
             if isinstance(part, UsesTarget):
@@ -117,6 +149,8 @@ class LLMEngine:
         self.num_kv_tokens = num_blocks * block_size
         self.max_model_len = min(self.config.max_model_len or model_config.max_model_len,
                                  model_config.max_model_len, self.num_kv_tokens)
+        self.frontend = Frontend(self.tokenizer, Limits(model_config.vocab_size, self.max_model_len,
+                                                        model_config.max_model_len, self.num_kv_tokens))
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -131,7 +165,7 @@ class LLMEngine:
         # Called with (request id, drafted tree, accepted path) after every verification: what
         # `specserve ablate` draws its tree shapes from.
         self.tree_observers: list[Callable[[str, TokenTree, list[int]], None]] = []
-        if device.type == "cuda" and not self.config.enforce_eager:
+        if device.type == "cuda" and not self.config.enforce_eager and self.executor is None:
             self._capture_graphs()  # before calibration, which then measures the steps as they will run
         if self.drafter is not None:
             self._calibrate()
@@ -156,10 +190,18 @@ class LLMEngine:
         tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
         block_size = self.config.block_size
         blocks = -(-tokens // block_size)
-        scratch = KVCache.for_model(self.model.config, blocks, block_size, self.kv_dtype, device)
+        world = self.config.tensor_parallel_size
+        scratch = KVCache.for_model(local_config(self.model.config, world), blocks, block_size, self.kv_dtype,
+                                    device)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        ModelRunner(self.model, scratch).forward([TreeRequest(TokenTree.chain([0] * tokens), 0, list(range(blocks)))])
+        request = TreeRequest(TokenTree.chain([0] * tokens), 0, list(range(blocks)))
+        if self.executor is None:
+            ModelRunner(self.model, scratch).forward([request])
+        else:  # every rank runs it: the forward's collectives need them all
+            self.executor.send(StepCall("profile", [request], pool=(blocks, block_size, self.kv_dtype)))
+            with self.executor.collectives():
+                ModelRunner(self.model, scratch).forward([request])
         torch.cuda.synchronize(device)
         in_use = torch.cuda.max_memory_allocated(device) - 2 * scratch.k.numel() * scratch.k.element_size()
         del scratch
@@ -201,37 +243,21 @@ class LLMEngine:
         name = processor_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
         return {"cpu": processor_name(), "device": f"{device.type}: {name}",
                 "dtype": str(self.model.dtype).removeprefix("torch."), "weights": weights, "kernels": kernels,
-                "drafter": self.config.draft, "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
+                "drafter": self.config.draft, "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "tensor_parallel_size": str(self.config.tensor_parallel_size)}
 
     # -- requests ---------------------------------------------------------------------------------
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Tokenize a prompt; with `chat`, wrap it as one user turn in the model's chat template."""
-        if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        return self.frontend.encode(prompt, chat)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise ValueError("this model has no chat template: send a plain prompt instead of messages")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.frontend.encode_chat(messages)
 
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ValueError, saying what to change, for a request that could never be served."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len} (model context {self.model.config.max_model_len}, "
-                f"KV pool {self.num_kv_tokens} tokens): shorten the prompt, lower max_tokens or raise "
-                f"--kv-cache-memory")
+        self.frontend.validate(prompt_ids, params)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     prompt_ids: list[int] | None = None) -> None:
@@ -282,6 +308,11 @@ class LLMEngine:
         """What the loaded drafters hold now, by (drafter spec, gauge name): for `/metrics`."""
         parts = list(self._parts.values())  # the engine thread may add one meanwhile
         return {(part.spec, name): value for part in parts for name, value in part.gauges().items()}
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine serves nothing more)."""
+        if self.executor is not None:
+            self.executor.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -477,7 +508,7 @@ class LLMEngine:
                                          self.block_manager.block_size)
                 src += moves[0]
                 dst += moves[1]
-        self.kv_cache.compact(src, dst)
+        self.runner.compact(src, dst)
         if drafts:  # a speculative step's share, as target_s
             self.metrics.verify_s += time.perf_counter() - start
         return verdicts

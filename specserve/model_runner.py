@@ -76,6 +76,11 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.kv_cache.k.device
 
+    @property
+    def world_size(self) -> int:
+        """Ranks the target is split over (`specserve.parallel`); 1 here."""
+        return 1
+
     def metadata(self, requests: Sequence[TreeRequest]) -> AttentionMetadata:
         """The step's attention layout over the shared block tables (any cache of this pool's blocks),
         built on the host and placed on the cache's device."""
@@ -108,6 +113,10 @@ class ModelRunner:
                              logits_indices=selected, hidden_at=hidden_at, num_layers=num_layers)
             logits, hidden = out.logits, out.hidden
         return ForwardResult(logits, hidden, [0, *itertools.accumulate(counts)], starts)
+
+    def compact(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Move accepted K/V into place (`KVCache.compact`)."""
+        self.kv_cache.compact(src_slots, dst_slots)
 
     @torch.inference_mode()
     def run_layers(self, requests: Sequence[TreeRequest], num_layers: int) -> torch.Tensor:

@@ -137,7 +137,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> ASGIApp:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(api.metrics.render(engine.engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await engine.metrics_text(api.metrics), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,8 @@ class Projection(DirectModule):
         # GGUF blocks, kept quantized (every step size): one fused weight, or one per block when
         # their formats differ (a Q4_K_M file mixes Q4_K and Q6_K within q/k/v).
         self.quantized: list[QuantizedRows] = []
+        # Tensor parallelism: what joins this rank's output with the other ranks' (a sum, a gather)
+        self.collective: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def load_quantized(self, blocks: Sequence[QuantizedRows], biases: Sequence[torch.Tensor] | None,
                        tiles: bool = True) -> None:
@@ -171,6 +173,10 @@ class Projection(DirectModule):
         self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._local_forward(x)
+        return y if self.collective is None else self.collective(y)
+
+    def _local_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
             return self._quantized_forward(x)
         if x.shape[0] < LARGE_STEP_TOKENS:
