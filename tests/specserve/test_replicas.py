@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -98,6 +99,32 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(ingress):
     shared = len(load_tokenizer(model, ModelConfig.from_dir(model)).encode(document))
     assert hits[served] >= 5 * (shared // 16 - 1) * 16, f"the replica's prefix cache served the document: {hits}"
     assert sum(h for r, h in hits.items() if r != served) == 0
+
+
+def test_a_client_that_goes_away_aborts_its_request_on_the_replica(ingress):
+    import openai
+
+    ingress, _ = ingress
+    client = openai.OpenAI(base_url=f"{ingress}/v1", api_key="unused", max_retries=0)
+    aborted = _finished(ingress, "abort")
+    stream = client.completions.create(model=MODEL, prompt="Go on and on.", max_tokens=800,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _ in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 60
+    while _finished(ingress, "abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _finished(ingress, "abort") == aborted + 1
+    usage = re.findall(r'^specserve:kv_cache_usage_perc\{replica="[^"]+"\} (\S+)$',
+                       httpx.get(f"{ingress}/metrics", timeout=60).text, re.M)
+    assert [float(u) for u in usage] == [0.0, 0.0], "its KV blocks are free again"
+
+
+def _finished(ingress: str, reason: str) -> int:
+    text = httpx.get(f"{ingress}/metrics", timeout=60).text
+    return sum(int(float(v)) for v in re.findall(
+        rf'^specserve:request_success_total\{{replica="[^"]+",finished_reason="{reason}"\}} (\S+)$', text, re.M))
 
 
 def _replicas(ingress: str) -> set[str]:
