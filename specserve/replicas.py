@@ -212,8 +212,10 @@ def build_app(engine_settings: dict[str, Any], settings: ServerSettings, replica
     engines = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=replicas,
                                max_ongoing_requests=ongoing,
                                request_router_config=RequestRouterConfig(request_router_class=PREFIX_ROUTER))
+    # The ingress only tokenizes and relays: no CPU of its own in Ray's accounting, so that N
+    # engines fit a machine of N cores.
     ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT,
-                               max_ongoing_requests=ongoing * replicas)
+                               max_ongoing_requests=ongoing * replicas, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engines.bind(engine_settings), settings)
 
 
@@ -226,7 +228,10 @@ def run(engine_settings: dict[str, Any], settings: ServerSettings, replicas: int
     except ImportError as error:
         raise ValueError('--replicas needs Ray Serve: pip install -e ".[scale]"') from error
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_TIMEOUT_S)
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    address = os.environ.get("RAY_ADDRESS")
+    # A local Ray counts at least one CPU per replica: more replicas than cores share them
+    cpus = None if address else max(os.cpu_count() or 1, replicas)
+    ray.init(address=address, num_cpus=cpus, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(engine_settings, settings, replicas), name="specserve", route_prefix="/")
     logger.info("%d replicas of %s behind http://%s:%d/v1 (Ray Serve)", replicas, engine_settings["target"], host,

@@ -49,7 +49,7 @@ def ingress(tmp_path_factory) -> tuple[str, Path]:
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_TIMEOUT_S)
     model = dummy_model_dir(tmp_path_factory.mktemp("replicas") / "dummy")
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one per replica: the ingress takes none
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = {"target": str(model), "load_format": "dummy", "device": "cpu", "dtype": "float32",
