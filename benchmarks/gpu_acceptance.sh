@@ -5,6 +5,7 @@
 #   kernel  benchmarks/gpu.py's kernel section (the CUDA issue)
 #   engine  benchmarks/gpu.py's engine section (the CUDA issue)
 #   kv      benchmarks/kernels.py over bf16, int8 and fp8 caches (the quantized-KV issue)
+#   tp      tensor parallelism over NCCL: one rank through the worker path, two on two GPUs (scale-out issue)
 # Logs and results go to $OUT (the device tool's folder; /tmp/gpu-acceptance elsewhere).
 #
 #     bash benchmarks/gpu_acceptance.sh                  # all steps, about 13 minutes on an H100/H200
@@ -13,7 +14,7 @@
 # Needs pytest-xdist (the lent GPU machines' image has it; WORKERS=0 runs the tests in one process).
 set -u
 OUT=${OUT:-/tmp/gpu-acceptance}
-STEPS=" ${STEPS:-tests kernel engine kv} "
+STEPS=" ${STEPS:-tests kernel engine kv tp} "
 mkdir -p "$OUT/kernel" "$OUT/engine" "$OUT/kv"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-/tmp/specserve-cache}
@@ -53,4 +54,10 @@ SPECSERVE_TRITON_AUTOTUNE=0 timeout "${KV_S:-200}" $PYTHON benchmarks/kernels.py
   --batches 1 8 64 --contexts 2048 8192 --trees 1 16 64 --rep-ms 100 --kv-dtypes int8 fp8 \
   2>&1 | tr '\r' '\n' | grep -v "/s\]" | tee "$OUT/kv/log.txt" | tail -30
 echo "kv: exit ${PIPESTATUS[0]}"
+fi
+if [[ $STEPS == *" tp "* ]]; then
+timeout "${TP_S:-120}" $PYTHON -m pytest -q -p no:randomly -p no:cacheprovider --tb=short -m cuda \
+  tests/specserve/test_parallel.py 2>&1 | tee "$OUT/tp.log" | grep -E "^(FAILED|ERROR)|passed|failed|skipped|^E " \
+  | awk 'NR <= 30'
+echo "tp: exit ${PIPESTATUS[0]}"
 fi
