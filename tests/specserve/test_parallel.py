@@ -77,6 +77,43 @@ def test_two_ranks_generate_what_one_rank_does(model_dir, one_rank, draft):
     assert all(w.exitcode == 0 for w in engine.executor.workers), "workers leave cleanly on close"
 
 
+@pytest.fixture(scope="module")
+def heads(tiny_chat_model, tmp_path_factory) -> dict[str, Path]:
+    """A random head of each kind for the tiny chat model (drafts that are often wrong)."""
+    from drafters.heads import HeadConfig, save_head, target_fingerprint
+    from specserve.models.loader import load_model
+    from specserve.training.heads import TrainableHead
+
+    target = load_model(tiny_chat_model, torch.float32)
+    vocab = target.config.vocab_size
+    out = {}
+    for kind, layer in (("feature", target.config.num_layers), ("early-exit", 1)):
+        torch.manual_seed(3)
+        head = TrainableHead(target, kind, layer, torch.arange(vocab))
+        directory = tmp_path_factory.mktemp(f"tp-head-{kind}")
+        config = HeadConfig(kind, "tiny", target_fingerprint(tiny_chat_model), layer, vocab)
+        save_head(directory, config, head.tensors())
+        out[kind] = directory
+    return out
+
+
+@pytest.mark.parametrize("kind", ["feature", "early-exit"])
+def test_two_ranks_draft_with_a_trained_head_as_one_rank_does(tiny_chat_model, heads, kind):
+    """Heads run on the driver over the split target's hidden states, scoring with its whole LM head."""
+    def run(world: int) -> tuple[list[list[int]], int, int]:
+        engine = LLMEngine(tiny_chat_model, "float32", EngineConfig(
+            kv_cache_memory="16MiB", tensor_parallel_size=world, draft=f"{kind}:{heads[kind]}", speculation="fixed"))
+        try:
+            tokens, _ = generate(engine)
+            return tokens, engine.metrics.spec.drafted_tokens, engine.metrics.spec.accepted_tokens
+        finally:
+            engine.close()
+
+    one, two = run(1), run(2)
+    assert one[1] > 0
+    assert two == one, "the same tokens, the same trees drafted, the same accepted"
+
+
 def test_one_rank_through_the_worker_path_generates_what_the_plain_engine_does(model_dir, one_rank):
     threads = torch.get_num_threads()
     engine = make_engine(model_dir, 1, draft="ngram", speculation="fixed", distributed_executor="mp")
