@@ -135,7 +135,11 @@ class RemoteStream:
         return out
 
     async def aclose(self) -> None:
-        if not self._finished:  # the consumer went away: the replica aborts the request
+        self.cancel()
+
+    def cancel(self) -> None:
+        """The consumer went away: the replica aborts the request (its generator is cancelled)."""
+        if not self._finished:
             self._end()
             self._response.cancel()
 
@@ -170,7 +174,7 @@ class ReplicaClient:
     def abort(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
         if stream is not None:
-            asyncio.get_running_loop().create_task(stream.aclose())
+            stream.cancel()
 
     async def metrics_text(self, server: ServerMetrics) -> str:
         """Every replica's metrics, merged into one exposition (the ingress's own add nothing)."""
