@@ -82,7 +82,7 @@ class EngineReplica:
         """What the ingress needs to tokenize and check requests as this replica would."""
         engine = self.engine.engine
         return {"limits": engine.frontend.limits, "model_path": str(engine.model_path),
-                "load_format": engine.config.load_format, "replica": self.replica}
+                "load_format": engine.config.load_format}
 
     async def generate(self, call: ReplicaCall) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; cancelling the stream aborts the request here."""
