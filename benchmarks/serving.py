@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,16 +36,13 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
+from specserve.machine import free_port
 from specserve.pull import resolve_model
 from specserve.sampling import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, dtype: str, kv_cache_memory: str) -> None:

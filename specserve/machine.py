@@ -1,8 +1,9 @@
-"""What machine a measurement ran on, for the records benchmarks and ablations write."""
+"""What machine a measurement ran on, for the records benchmarks and ablations write; a free port."""
 
 from __future__ import annotations
 
 import platform
+import socket
 from functools import cache
 
 
@@ -19,3 +20,10 @@ def processor_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for a server or a process group)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

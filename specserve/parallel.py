@@ -20,7 +20,6 @@ import datetime
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specserve.kv_cache import KVCache
+from specserve.machine import free_port
 from specserve.model_runner import ForwardResult, ModelRunner, TreeRequest
 from specserve.models.config import ModelConfig
 from specserve.models.linear import Projection
@@ -53,8 +53,6 @@ class RankDiedError(RuntimeError):
 
 def check_shardable(config: ModelConfig, world: int) -> None:
     """Raise ValueError, saying what to change, unless `config` splits evenly over `world` ranks."""
-    if world < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {world}")
     sizes = {"attention heads": config.num_heads, "KV heads": config.num_kv_heads,
              "intermediate size": config.intermediate_size}
     uneven = [f"{name} ({n})" for name, n in sizes.items() if n % world]
@@ -250,10 +248,6 @@ def _serve(model: LlamaForCausalLM, world: int, device: torch.device) -> None:
 
 # -- the driver -----------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TensorParallelExecutor:
@@ -270,7 +264,7 @@ class TensorParallelExecutor:
         self._busy_since: float | None = None  # when the driver entered collectives it may hang in
         # Called from the watchdog's thread once a worker has died (the server's engine loop stops on it).
         self.on_failure: Callable[[str], None] | None = None
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         context = mp.get_context("spawn")  # a fork would copy the driver's threads and CUDA state
         self.workers = [context.Process(target=_worker_main, args=(rank, world, address, spec), daemon=True,
                                         name=f"specserve-tp-rank-{rank}") for rank in range(1, world)]

@@ -21,6 +21,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.kv_cache import KVCache
+from specserve.machine import free_port
 from specserve.parallel import RankDiedError, check_shardable, local_config
 from specserve.sampling import SamplingParams
 from tests.conftest import dummy_model_dir
@@ -197,7 +198,7 @@ def test_a_dead_rank_fails_the_engine_with_an_error(model_dir):
 @pytest.mark.parametrize("when", ["idle", "serving"])
 def test_the_server_exits_with_status_1_when_a_rank_dies(model_dir, when):
     """The server, idle or mid-request, logs which rank died and exits 1 (a supervisor restarts it)."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "specserve.cli", "serve", "--target", str(model_dir), "--load-format", "dummy",
          "--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", "2", "--kv-cache-memory", "8MiB",
@@ -247,9 +248,3 @@ def _read_until(process: subprocess.Popen, log: list[str], pattern: re.Pattern, 
     raise AssertionError(f"no {pattern.pattern!r} within {timeout} s:\n" + "".join(log)[-3000:])
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

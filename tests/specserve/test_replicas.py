@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from specserve.machine import free_port
 from specserve.replicas import ReplicaCall, label_samples, merge_expositions
 from specserve.sampling import SamplingParams
 from specserve.server import ServerSettings
@@ -48,7 +48,7 @@ def ingress(tmp_path_factory) -> tuple[str, Path]:
 
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_TIMEOUT_S)
     model = dummy_model_dir(tmp_path_factory.mktemp("replicas") / "dummy")
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one per replica: the ingress takes none
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -141,8 +141,4 @@ def _per_replica(ingress: str) -> dict[str, Counter]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,15 +24,12 @@ import uvicorn
 from specserve.async_engine import AsyncEngine
 from specserve.config import DEFAULT_MAX_BODY_BYTES, EngineConfig
 from specserve.engine import LLMEngine
+from specserve.machine import free_port
 from specserve.server import ServerSettings, create_app
 
 MODEL = "tiny-chat"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
