@@ -202,7 +202,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _worker_main(rank: int, world: int, address: str, spec: WorkerSpec) -> None:
+def _backend(device: torch.device) -> str:
+    return "gloo" if device.type == "cpu" else "nccl"
+
+
+def _store(port: int, world: int, driver: bool) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world, is_master=driver, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+
+
+def _worker_main(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
     from specserve.models.loader import load_model
 
     _die_with_parent()
@@ -212,8 +221,10 @@ def _worker_main(rank: int, world: int, address: str, spec: WorkerSpec) -> None:
         device = _rank_device(spec.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=address, rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        store = _store(port, world, driver=False)
+        store.set(f"joined/{rank}", "1")  # the driver waits for these, watching for workers that died first
+        dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         model = load_model(spec.model_path, spec.dtype, spec.quantization, spec.load_format, device)
         shard_model(model, rank, world)
         _serve(model, world, device)
@@ -252,9 +263,10 @@ def _serve(model: LlamaForCausalLM, world: int, device: torch.device) -> None:
 
 class TensorParallelExecutor:
     """The driver's side: starts ranks 1..N-1, joins them in one process group as rank 0, and
-    broadcasts `StepCall`s. A worker that exits fails the engine: the driver's collectives raise
-    `RankDiedError`; where a collective cannot notice (NCCL waits for ever) a watchdog ends the
-    process with status 1 after `DEATH_GRACE_S`, so that a supervisor restarts it."""
+    broadcasts `StepCall`s. A worker that exits fails the engine: while starting, at once; after,
+    the driver's collectives raise `RankDiedError` (gloo notices the closed connection); where a
+    collective cannot notice (NCCL waits for ever) a watchdog ends the process with status 1
+    after `DEATH_GRACE_S`, so that a supervisor restarts it."""
 
     def __init__(self, world: int, spec: WorkerSpec, threads_before: int):
         self.world = world
@@ -264,19 +276,38 @@ class TensorParallelExecutor:
         self._busy_since: float | None = None  # when the driver entered collectives it may hang in
         # Called from the watchdog's thread once a worker has died (the server's engine loop stops on it).
         self.on_failure: Callable[[str], None] | None = None
-        address = f"tcp://127.0.0.1:{free_port()}"
+        self.backend = _backend(_rank_device(spec.device, 0))
+        port = free_port()
+        store = _store(port, world, driver=True)
         context = mp.get_context("spawn")  # a fork would copy the driver's threads and CUDA state
-        self.workers = [context.Process(target=_worker_main, args=(rank, world, address, spec), daemon=True,
+        self.workers = [context.Process(target=_worker_main, args=(rank, world, port, spec), daemon=True,
                                         name=f"specserve-tp-rank-{rank}") for rank in range(1, world)]
         for worker in self.workers:
             worker.start()
+        try:
+            self._await_workers(store)
+        except BaseException:
+            self._stop_workers(grace_s=0)
+            torch.set_num_threads(threads_before)
+            raise
         threading.Thread(target=self._watch, name="specserve-tp-watchdog", daemon=True).start()
-        device = _rank_device(spec.device, 0)
         with self.collectives():
-            dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=address, rank=0,
-                                    world_size=world, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-        logger.info("tensor parallelism: %d ranks (%s), workers %s", world, dist.get_backend(),
+            dist.init_process_group(self.backend, store=store, rank=0, world_size=world,
+                                    timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        logger.info("tensor parallelism: %d ranks (%s), workers %s", world, self.backend,
                     ", ".join(str(w.pid) for w in self.workers))
+
+    def _await_workers(self, store: dist.TCPStore) -> None:
+        """Until every worker has joined the rendezvous; one that exits first (a crash on start, its
+        traceback in the log above) fails the start at once rather than after the timeout."""
+        keys = [f"joined/{rank}" for rank in range(1, self.world)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check(keys):
+            if dead := self.dead_workers():
+                raise RankDiedError(f"tensor-parallel {', '.join(dead)} exited while starting (its log says why)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S} s")
+            time.sleep(0.05)
 
     def dead_workers(self) -> list[str]:
         return [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
@@ -318,6 +349,9 @@ class TensorParallelExecutor:
                 while time.monotonic() < deadline and self._busy_since is not None and not self._closing:
                     time.sleep(0.1)
                 if self._busy_since is not None and not self._closing:
+                    if self.backend != "nccl":
+                        logger.critical("the driver is stuck in a collective with a dead rank")
+                        return
                     logger.critical("the driver is stuck in a collective with a dead rank: exiting with status 1")
                     os._exit(1)
                 return
@@ -331,15 +365,18 @@ class TensorParallelExecutor:
         if self._failed is None:
             with contextlib.suppress(RuntimeError):
                 _broadcast(StepCall("stop"))
-        for worker in self.workers:
-            worker.join(timeout=10)
-            if worker.exitcode is None:
-                worker.kill()
-                worker.join(timeout=5)
+        self._stop_workers()
         if dist.is_initialized():
             with contextlib.suppress(RuntimeError):
                 dist.destroy_process_group()
         torch.set_num_threads(self._threads_before)
+
+    def _stop_workers(self, grace_s: float = 10) -> None:
+        for worker in self.workers:
+            worker.join(timeout=grace_s)
+            if worker.exitcode is None:
+                worker.kill()
+                worker.join(timeout=5)
 
 
 class TensorParallelRunner(ModelRunner):

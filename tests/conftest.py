@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -19,6 +22,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def import_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module. Its folder is on sys.path only while it imports (its
+    siblings, e.g. report.py): left there, benchmarks/kernels.py would shadow the kernels package
+    in every process spawned later (tensor-parallel workers start with the test's sys.path)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.append(folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
 
 
 def save_tiny_checkpoint(directory: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from tests.conftest import import_benchmark
 
-from engine import cpu_ticks, steal_share  # noqa: E402  (benchmarks/engine.py)
+engine = import_benchmark("engine")
+cpu_ticks, steal_share = engine.cpu_ticks, engine.steal_share
 
 
 def test_steal_share_is_the_stolen_part_of_all_cpu_time_between_two_readings():

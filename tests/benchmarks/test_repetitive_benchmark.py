@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from specserve.ablation.config import SPEC_BENCH
+from specserve.training.self_instruct import CONTAMINATION_WORDS, evaluation_grams, word_grams
+from tests.conftest import import_benchmark
 
-from repetitive import EDITS, TASKS, workload  # noqa: E402  (benchmarks/repetitive.py)
-
-from specserve.ablation.config import SPEC_BENCH  # noqa: E402
-from specserve.training.self_instruct import CONTAMINATION_WORDS, evaluation_grams, word_grams  # noqa: E402
+repetitive = import_benchmark("repetitive")
+EDITS, TASKS, workload = repetitive.EDITS, repetitive.TASKS, repetitive.workload
 
 
 def test_the_workload_interleaves_extractions_with_conversations_whose_turns_follow_in_order():

@@ -195,6 +195,19 @@ def test_a_dead_rank_fails_the_engine_with_an_error(model_dir):
         engine.close()
 
 
+def test_a_rank_that_cannot_start_fails_the_engine_at_once(model_dir, tmp_path, monkeypatch):
+    """A worker that crashes before joining (here: a module shadowing ours on the path it inherits)
+    fails the start with an error naming it, within seconds, and the driver's process goes on."""
+    (tmp_path / "kernels.py").write_text("raise ImportError('a module that shadows the kernels package')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers start with the driver's sys.path
+    threads = torch.get_num_threads()
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"rank 1 \(pid \d+, exit code 1\) exited while starting"):
+        make_engine(model_dir, 2)
+    assert time.monotonic() - started < 60
+    assert torch.get_num_threads() == threads, "the driver's CPU threads are given back"
+
+
 @pytest.mark.parametrize("when", ["idle", "serving"])
 def test_the_server_exits_with_status_1_when_a_rank_dies(model_dir, when):
     """The server, idle or mid-request, logs which rank died and exits 1 (a supervisor restarts it)."""
