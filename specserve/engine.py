@@ -53,9 +53,9 @@ from specserve.parallel import (
     StepCall,
     TensorParallelExecutor,
     TensorParallelRunner,
+    TensorShard,
     check_shardable,
     local_config,
-    shard_model,
     start_workers,
 )
 from specserve.sampling import SamplingParams, normalized_drafter_spec
@@ -106,9 +106,8 @@ class LLMEngine:
 
     def _build(self, dtype: str | torch.dtype | None, quantization: str, device: torch.device) -> None:
         model_path = self.model_path
-        self.model = load_model(model_path, dtype, quantization, self.config.load_format, device)
-        if self.executor is not None:
-            shard_model(self.model, 0, self.executor.world)
+        shard = None if self.executor is None else TensorShard(0, self.executor.world)
+        self.model = load_model(model_path, dtype, quantization, self.config.load_format, device, shard=shard)
         # A dummy model's directory may hold no tokenizer (configs/models/): a synthetic one then
         self.tokenizer = load_tokenizer(model_path, self.model.config if self.config.load_format == "dummy" else None)
         model_config = self.model.config

@@ -93,62 +93,54 @@ class VocabParallelHead(Projection):
         return self.full.select_rows(rows)
 
 
-def _plain(projection: Projection) -> tuple[list[torch.Tensor], list[torch.Tensor | None], bool]:
-    if projection.quantized or projection.int8 is not None:
-        raise ValueError("tensor parallelism splits plain weights: serve the target with --quantization none "
-                         "(a GGUF's weights exactly dequantized)")
-    return projection.dense_blocks(), projection.dense_biases(), projection.packed is not None
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split (whole heads)
+ROW_PARALLEL = ("o_proj", "down_proj")  # input columns split, the partial outputs summed
 
 
-def _column_shard(projection: Projection, rank: int, world: int) -> Projection:
-    """Each block's output rows split `world` ways (q/k/v by whole heads, gate/up by rows)."""
-    blocks, biases, pack = _plain(projection)
-    mine = [torch.tensor_split(b, world)[rank].contiguous() for b in blocks]
-    shard = Projection(projection.in_features, [b.shape[0] for b in mine])
-    bias = None if biases[0] is None else [torch.tensor_split(b, world)[rank].contiguous() for b in biases]
-    shard.load(mine, bias, pack)
-    return shard
+@dataclass(frozen=True)
+class TensorShard:
+    """Rank `rank`'s share of a target split `world` ways (`load_model(shard=...)`): the layers
+    built at `local_config`'s sizes, each projection's tensor cut as the checkpoint is read; after
+    loading, o/down sum over ranks and the LM head becomes vocabulary-parallel. `model.config`
+    stays the whole model's."""
 
+    rank: int
+    world: int
 
-def _row_shard(projection: Projection, rank: int, world: int) -> Projection:
-    """The input columns split `world` ways, the partial outputs summed over ranks (the bias once)."""
-    blocks, biases, pack = _plain(projection)
-    (weight,), (bias,) = blocks, biases
-    mine = torch.tensor_split(weight, world, dim=1)[rank].contiguous()
-    shard = Projection(mine.shape[1], [weight.shape[0]])
-    shard.load([mine], [bias] if bias is not None and rank == 0 else None, pack)
-    shard.collective = _all_reduce
-    return shard
+    def local(self, config: ModelConfig) -> ModelConfig:
+        check_shardable(config, self.world)
+        return local_config(config, self.world)
+
+    def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        *_, module, kind = ("", "", *name.split("."))
+        if module in COLUMN_PARALLEL:
+            return torch.tensor_split(tensor, self.world)[self.rank].contiguous()
+        if module in ROW_PARALLEL and kind == "weight":
+            return torch.tensor_split(tensor, self.world, dim=1)[self.rank].contiguous()
+        if module in ROW_PARALLEL:
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)  # the bias added once
+        return tensor
+
+    def finish(self, model: LlamaForCausalLM) -> None:
+        for layer in model.layers:
+            layer.self_attn.o_proj.collective = _all_reduce
+            layer.mlp.down_proj.collective = _all_reduce
+        model.lm_head = _vocab_shard(model.lm_head, self.rank, self.world, model.config.vocab_size)
 
 
 def _vocab_shard(head: Projection, rank: int, world: int, vocab: int) -> VocabParallelHead:
-    blocks, biases, pack = _plain(head)
-    (weight,) = blocks
-    if biases[0] is not None:
-        raise ValueError("an LM head with a bias cannot be split over ranks")
-    rows = -(-vocab // world)  # every rank the same width (all_gather's), the last padded with zeros
+    """The head's rows split `world` ways, every rank the same width (all_gather's), the last
+    padded with zeros. The head is read whole (the driver keeps it for drafting), then cut."""
+    if head.quantized or head.int8 is not None or head.fused_bias is not None:
+        raise ValueError("tensor parallelism splits a plain LM head without bias")
+    (weight,) = head.dense_blocks()
+    rows = -(-vocab // world)
     mine = weight[rank * rows:(rank + 1) * rows]
     mine = torch.cat([mine, mine.new_zeros(rows - mine.shape[0], mine.shape[1])]).contiguous()
     shard = VocabParallelHead(head.in_features, rows, head if rank == 0 else None)
-    shard.load([mine], None, pack)
+    shard.load([mine], None, head.packed is not None)
     shard.collective = partial(_gather_columns, world=world, vocab=vocab)
     return shard
-
-
-def shard_model(model: LlamaForCausalLM, rank: int, world: int) -> None:
-    """Keep rank `rank`'s share of the model's weights (in place); its forwards then take part in
-    the collectives of the default process group. `model.config` stays the whole model's."""
-    check_shardable(model.config, world)
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _column_shard(attn.qkv_proj, rank, world)
-        attn.o_proj = _row_shard(attn.o_proj, rank, world)
-        attn.num_heads //= world
-        attn.num_kv_heads //= world
-        attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        mlp.gate_up_proj = _column_shard(mlp.gate_up_proj, rank, world)
-        mlp.down_proj = _row_shard(mlp.down_proj, rank, world)
-    model.lm_head = _vocab_shard(model.lm_head, rank, world, model.config.vocab_size)
 
 
 # -- what the driver broadcasts ---------------------------------------------------------------------
@@ -225,8 +217,8 @@ def _worker_main(rank: int, world: int, port: int, spec: WorkerSpec) -> None:
         store.set(f"joined/{rank}", "1")  # the driver waits for these, watching for workers that died first
         dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-        model = load_model(spec.model_path, spec.dtype, spec.quantization, spec.load_format, device)
-        shard_model(model, rank, world)
+        model = load_model(spec.model_path, spec.dtype, spec.quantization, spec.load_format, device,
+                           shard=TensorShard(rank, world))
         _serve(model, world, device)
     except Exception:  # noqa: BLE001 -- the driver sees the exit and fails the engine
         logger.exception("tensor-parallel rank %d failed", rank)

@@ -11,7 +11,9 @@ import json
 import logging
 import mmap
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -112,17 +114,36 @@ def _checkpoint_dtypes(path: Path) -> set[torch.dtype | None]:
     return {SAFETENSORS_DTYPES.get(v["dtype"]) for f in _checkpoint_files(path) for v in _header(f)[1].values()}
 
 
+class Sharding(Protocol):
+    """One tensor-parallel rank's share of the model (`specserve.parallel.TensorShard`): the model
+    is built at `local` sizes, each tensor cut to the rank's share as it is read (`tensor`: before
+    it reaches the device), and the result joined to the other ranks by `finish`."""
+
+    def local(self, config: ModelConfig) -> ModelConfig: ...
+
+    def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def finish(self, model: LlamaForCausalLM) -> None: ...
+
+
+def _whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class Checkpoint:
-    """Hands out tensors by name in the model's dtype and remembers what was never asked for."""
+    """Hands out tensors by name in the model's dtype (cut by `cut`: a rank's share) and remembers
+    what was never asked for."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", cut: Callable[[str, torch.Tensor], torch.Tensor] = _whole):
         self.tensors, self.dtype, self.path, self.device = tensors, dtype, path, torch.device(device)
+        self.cut = cut
 
     def take(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
             raise ValueError(f"checkpoint in {self.path} has no tensor {name!r}: is it a Llama-family model?")
-        return self.tensors.pop(name).to(device=self.device, dtype=self.dtype)  # itself where both match
+        tensor = self.cut(name, self.tensors.pop(name))
+        return tensor.to(device=self.device, dtype=self.dtype)  # itself where both match
 
     def parameter(self, name: str) -> nn.Parameter:
         return nn.Parameter(self.take(name), requires_grad=False)
@@ -145,16 +166,20 @@ def load_layer(layer: DecoderLayer, ckpt: Checkpoint, prefix: str, config: Model
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None, quantization: str = "auto",
-               load_format: str = "auto", device: torch.device | str = "cpu") -> LlamaForCausalLM:
+               load_format: str = "auto", device: torch.device | str = "cpu",
+               shard: Sharding | None = None) -> LlamaForCausalLM:
     """The model of a directory, on `device`: its GGUF or safetensors weights (`load_format` auto),
     or random weights at its config's shape (dummy, `specserve.models.dummy`). Quantized blocks
-    run our CPU kernels: elsewhere a GGUF serves its exactly dequantized weights, bf16 by default."""
+    run our CPU kernels: elsewhere a GGUF serves its exactly dequantized weights, bf16 by default.
+    `shard`: only a tensor-parallel rank's share of the plain weights (`_load_shard`)."""
     path, device = Path(path), torch.device(device)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
     config = ModelConfig.from_dir(path)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if shard is not None:
+        return _load_shard(path, config, dtype, quantization, load_format, device, shard)
     if device.type != "cpu" and quantization in REQUANTIZE_BITS:
         raise ValueError(f"quantization {quantization} runs CPU kernels: on {device} use auto or none")
     if load_format == "dummy" and quantization in REQUANTIZE_BITS:
@@ -194,10 +219,36 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, quantiz
     return model
 
 
-def _assemble(config: ModelConfig, ckpt: Checkpoint, pack: bool) -> LlamaForCausalLM:
-    """The model from a checkpoint's plain tensors, on the checkpoint's device; every tensor used."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+def _load_shard(path: Path, config: ModelConfig, dtype: str | torch.dtype | None, quantization: str,
+                load_format: str, device: torch.device, shard: Sharding) -> LlamaForCausalLM:
+    """A rank's share of plain weights (a GGUF's exactly dequantized): each projection's tensor is
+    cut before it reaches the device, so a device holds its share only; a safetensors file is
+    mapped, its pages read where the share lies."""
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"tensor parallelism splits plain weights, not {quantization} blocks: use auto or none")
+    dtype = torch.bfloat16 if device.type != "cpu" and dtype in (None, "auto") else parse_dtype(dtype)
+    pack = packing_available(dtype, device)
+    mappings: list[mmap.mmap] = []
+    if load_format == "dummy":
+        tensors = dummy_tensors(config, dtype, device)
+    elif (path / GGUF_FILE).exists():
+        model = _build_gguf(path / GGUF_FILE, config, dtype, quantized=False, device=device, shard=shard)
+        shard.finish(model)
+        return model
+    else:
+        tensors = _read_tensors(path, mappings)
+    model = _assemble(config, Checkpoint(tensors, dtype, path, device, shard.tensor), pack, shard.local(config))
+    for mapping in mappings:
+        mapping.madvise(mmap.MADV_DONTNEED)  # the other ranks' pages: this process never needs them
+    shard.finish(model)
+    return model
+
+
+def _assemble(config: ModelConfig, ckpt: Checkpoint, pack: bool,
+              local: ModelConfig | None = None) -> LlamaForCausalLM:
+    """The model from a checkpoint's plain tensors, on the checkpoint's device; every tensor used.
+    `local`: a tensor-parallel rank's sizes, which its layers are built at (`config` stays the whole's)."""
+    model = _skeleton(config, local)
     for i, layer in enumerate(model.layers):
         load_layer(layer, ckpt, f"layers.{i}.", config, pack)
     model.embed_tokens.weight = ckpt.parameter("embed_tokens.weight")
@@ -213,6 +264,14 @@ def _assemble(config: ModelConfig, ckpt: Checkpoint, pack: bool) -> LlamaForCaus
                          f"{sorted(ckpt.tensors)[:5]}")
     model.init_rotary()
     return model.eval().requires_grad_(False)
+
+
+def _skeleton(config: ModelConfig, local: ModelConfig | None) -> LlamaForCausalLM:
+    """The model on the meta device, its layers at `local`'s sizes where given."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(local or config)
+    model.config = config
+    return model
 
 
 def load_transformers(path: str | Path, dtype: torch.dtype):
@@ -261,17 +320,21 @@ def load_gguf(file: Path, config: ModelConfig, dtype: str | torch.dtype | None, 
 
 
 def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: bool,
-                tiles: bool = True, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+                tiles: bool = True, device: torch.device | str = "cpu",
+                shard: Sharding | None = None) -> LlamaForCausalLM:
     device = torch.device(device)
     source = GGUFWeights(file, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                          llama_rope_order=config.model_type in ("llama", "mistral"))
     pack = not quantized and packing_available(dtype, device)
+    cut = _whole if shard is None else shard.tensor  # a rank's share: of dequantized weights only
 
     def plain(name: str) -> torch.Tensor:
-        return source.take(name, quantized=False).to(device=device, dtype=dtype)
+        return cut(name, source.take(name, quantized=False)).to(device=device, dtype=dtype)
 
     def projection(module, prefix: str, names: list[str], bias: bool) -> None:
         weights = [source.take(f"{prefix}{n}.weight", quantized=quantized) for n in names]
+        if shard is not None:
+            weights = [cut(f"{prefix}{n}.weight", w) for n, w in zip(names, weights, strict=True)]
         biases = [plain(f"{prefix}{n}.bias") for n in names] if bias else None
         if all(isinstance(w, QuantizedRows) for w in weights):
             module.load_quantized(weights, biases, tiles)
@@ -280,8 +343,7 @@ def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: 
                      for w in weights]
             module.load(dense, biases, pack=pack)
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = _skeleton(config, None if shard is None else shard.local(config))
     for i, layer in enumerate(model.layers):
         prefix = f"layers.{i}."
         projection(layer.self_attn.qkv_proj, prefix, [f"self_attn.{p}_proj" for p in "qkv"], config.qkv_bias)

@@ -22,7 +22,7 @@ from specserve.config import EngineConfig
 from specserve.engine import LLMEngine
 from specserve.kv_cache import KVCache
 from specserve.machine import free_port
-from specserve.parallel import RankDiedError, check_shardable, local_config
+from specserve.parallel import RankDiedError, TensorShard, check_shardable, local_config
 from specserve.sampling import SamplingParams
 from tests.conftest import dummy_model_dir
 
@@ -162,6 +162,36 @@ def make_config(model_dir: Path):
     from specserve.models.config import ModelConfig
 
     return ModelConfig.from_dir(model_dir)
+
+
+def test_each_rank_loads_only_its_share_of_every_projection(tiny_checkpoint):
+    """Cut as the checkpoint is read: the ranks' shares side by side are the whole model's weights."""
+    from specserve.models.loader import load_model
+
+    path = tiny_checkpoint("qwen2", vocab_size=211)  # biases on q/k/v; an odd vocabulary
+    whole = load_model(path, torch.float32, "none")
+    ranks = [load_model(path, torch.float32, "none", shard=TensorShard(rank, 2)) for rank in range(2)]
+    assert all(r.config == whole.config for r in ranks), "the config stays the whole model's"
+    for i, layer in enumerate(whole.layers):
+        parts = [r.layers[i] for r in ranks]
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            shares = [p.get_submodule(name).dense_blocks() for p in parts]
+            for block, pieces in zip(layer.get_submodule(name).dense_blocks(), zip(*shares, strict=True),
+                                     strict=True):
+                assert all(piece.shape[0] == block.shape[0] // 2 for piece in pieces)
+                assert torch.equal(torch.cat(pieces), block)
+        for rank, part in enumerate(parts):
+            biases = [b.tensor_split(2)[rank] for b in layer.self_attn.qkv_proj.dense_biases()]
+            assert torch.equal(part.self_attn.qkv_proj.fused_bias, torch.cat(biases))
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            (block,) = layer.get_submodule(name).dense_blocks()
+            pieces = [p.get_submodule(name).dense_blocks()[0] for p in parts]
+            assert torch.equal(torch.cat(pieces, dim=1), block)
+        assert parts[0].self_attn.num_heads == layer.self_attn.num_heads // 2
+    (head,) = whole.lm_head.dense_blocks()
+    shares = torch.cat([r.lm_head.dense_blocks()[0] for r in ranks])
+    assert shares.shape[0] == 212 and torch.equal(shares[:211], head) and not shares[211:].any()
+    assert ranks[0].lm_head.full is not None and ranks[1].lm_head.full is None, "only the driver drafts"
 
 
 def test_a_split_that_does_not_divide_the_heads_is_refused(model_dir):
