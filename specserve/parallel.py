@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specserve.kv_cache import KVCache
-from specserve.machine import free_port
 from specserve.model_runner import ForwardResult, ModelRunner, TreeRequest
 from specserve.models.config import ModelConfig
 from specserve.models.linear import Projection
@@ -269,8 +268,8 @@ class TensorParallelExecutor:
         # Called from the watchdog's thread once a worker has died (the server's engine loop stops on it).
         self.on_failure: Callable[[str], None] | None = None
         self.backend = _backend(_rank_device(spec.device, 0))
-        port = free_port()
-        store = _store(port, world, driver=True)
+        store = _store(0, world, driver=True)  # the system picks the port: no race for a free one
+        port = store.port
         context = mp.get_context("spawn")  # a fork would copy the driver's threads and CUDA state
         self.workers = [context.Process(target=_worker_main, args=(rank, world, port, spec), daemon=True,
                                         name=f"specserve-tp-rank-{rank}") for rank in range(1, world)]
@@ -278,14 +277,15 @@ class TensorParallelExecutor:
             worker.start()
         try:
             self._await_workers(store)
+            threading.Thread(target=self._watch, name="specserve-tp-watchdog", daemon=True).start()
+            with self.collectives():
+                dist.init_process_group(self.backend, store=store, rank=0, world_size=world,
+                                        timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         except BaseException:
+            self._closing = True  # the watchdog stands down
             self._stop_workers(grace_s=0)
             torch.set_num_threads(threads_before)
             raise
-        threading.Thread(target=self._watch, name="specserve-tp-watchdog", daemon=True).start()
-        with self.collectives():
-            dist.init_process_group(self.backend, store=store, rank=0, world_size=world,
-                                    timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         logger.info("tensor parallelism: %d ranks (%s), workers %s", world, self.backend,
                     ", ".join(str(w.pid) for w in self.workers))
 
