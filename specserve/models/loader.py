@@ -188,7 +188,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, quantiz
         return model
     if load_format == "dummy" or device.type != "cpu":
         # bf16 by default off the CPU; packing (a CPU bf16 layout) only where packing_available says
-        dtype = torch.bfloat16 if device.type != "cpu" and dtype in (None, "auto") else parse_dtype(dtype)
+        dtype = _plain_dtype(dtype, device)
         pack = packing_available(dtype, device)
         if load_format == "dummy":
             return _assemble(config, Checkpoint(dummy_tensors(config, dtype, device), dtype, path, device), pack)
@@ -219,6 +219,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, quantiz
     return model
 
 
+def _plain_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """Plain weights' dtype: as given, else bf16 off the CPU and the CPU's default on it."""
+    return torch.bfloat16 if device.type != "cpu" and dtype in (None, "auto") else parse_dtype(dtype)
+
+
 def _load_shard(path: Path, config: ModelConfig, dtype: str | torch.dtype | None, quantization: str,
                 load_format: str, device: torch.device, shard: Sharding) -> LlamaForCausalLM:
     """A rank's share of plain weights (a GGUF's exactly dequantized): each projection's tensor is
@@ -226,7 +231,7 @@ def _load_shard(path: Path, config: ModelConfig, dtype: str | torch.dtype | None
     mapped, its pages read where the share lies."""
     if quantization not in ("auto", "none"):
         raise ValueError(f"tensor parallelism splits plain weights, not {quantization} blocks: use auto or none")
-    dtype = torch.bfloat16 if device.type != "cpu" and dtype in (None, "auto") else parse_dtype(dtype)
+    dtype = _plain_dtype(dtype, device)
     pack = packing_available(dtype, device)
     mappings: list[mmap.mmap] = []
     if load_format == "dummy":
@@ -332,9 +337,8 @@ def _build_gguf(file: Path, config: ModelConfig, dtype: torch.dtype, quantized: 
         return cut(name, source.take(name, quantized=False)).to(device=device, dtype=dtype)
 
     def projection(module, prefix: str, names: list[str], bias: bool) -> None:
-        weights = [source.take(f"{prefix}{n}.weight", quantized=quantized) for n in names]
-        if shard is not None:
-            weights = [cut(f"{prefix}{n}.weight", w) for n, w in zip(names, weights, strict=True)]
+        weights = [cut(f"{prefix}{n}.weight", source.take(f"{prefix}{n}.weight", quantized=quantized))
+                   for n in names]
         biases = [plain(f"{prefix}{n}.bias") for n in names] if bias else None
         if all(isinstance(w, QuantizedRows) for w in weights):
             module.load_quantized(weights, biases, tiles)
