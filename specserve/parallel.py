@@ -250,8 +250,6 @@ def _serve(model: LlamaForCausalLM, world: int, device: torch.device) -> None:
 
 # -- the driver -----------------------------------------------------------------------------------
 
-
-
 class TensorParallelExecutor:
     """The driver's side: starts ranks 1..N-1, joins them in one process group as rank 0, and
     broadcasts `StepCall`s. A worker that exits fails the engine: while starting, at once; after,
