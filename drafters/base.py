@@ -130,8 +130,9 @@ class Observes(ABC):
 
 
 class Estimates:
-    """Knows, before drafting, what its proposals are worth or cost. Read-only: the speculation
-    policy asks while planning, and asking changes nothing."""
+    """Knows, before drafting, what its proposals are worth or cost. The speculation policy asks
+    while planning, and asking changes no estimate (a drafter may keep the guess it was asked
+    about, to score it at later commits): answers never depend on what was asked before."""
 
     def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> Sequence[float] | None:
         """What its proposal for the sequence would be worth now: P(its first k drafted tokens

@@ -1,9 +1,11 @@
 """Prompt lookup: propose what followed earlier occurrences of the sequence's last n tokens.
 
 No weights: the sequence's tokens, as bytes, searched with `bytes.rfind`, longest n-gram
-first. At every commit (`observe`) it scores its open guesses by kind of match and makes the
-next one; the speculation policy reads what that guess is worth (`acceptance_profile`) and
-changes nothing by asking. Why: docs/design.md.
+first. A guess (the best match's continuation) is made where the speculation policy asks what it
+is worth (`acceptance_profile`) or a draft is wanted, once per length of the sequence; commits
+(`observe`) score the open guesses by kind of match. Not a guess at every commit: a busy server's
+policy asks rarely, and a search per sequence per commit was most of what speculation cost it
+in steps that drafted nothing. Why: docs/design.md.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class _Index:
 
     text: bytearray = field(default_factory=bytearray)  # the first `indexed` tokens, TOKEN_BYTES each
     guesses: list[Guess] = field(default_factory=list)  # not yet resolved, oldest first
+    guessed_at: int = -1  # the sequence's length at its latest guess (or finding nothing)
+    latest: Guess | None = None  # that guess
 
     @property
     def indexed(self) -> int:
@@ -86,6 +90,10 @@ class GuessScores:
             self._add(guess.kind, guess.matched, missed=False)
             return True
         return False
+
+    def resolve(self, guesses: list[Guess], tokens: Sequence[int]) -> list[Guess]:
+        """Score a sequence's open guesses against its tokens now: those still open."""
+        return [g for g in guesses if not self.score(g, tokens[g.at :])]
 
     def close(self, guess: Guess) -> None:
         """The sequence ended with the guess still coming true: it counts for the depths it reached."""
@@ -137,16 +145,12 @@ class NgramDrafter(Drafter, Observes, Estimates):
         return [self._propose(r) for r in requests]
 
     def observe(self, commit: Commit) -> None:
-        self._update(commit.seq_id, commit.token_ids)
+        index = self._indexes.get(commit.seq_id)
+        if index is not None and index.guesses:
+            index.guesses = self._scores.resolve(index.guesses, commit.token_ids)
 
     def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> list[float]:
-        index = self._indexes.get(seq_id)
-        if index is not None and index.indexed == len(token_ids):  # its guess was made at the commit
-            guess = index.guesses[-1] if index.guesses and index.guesses[-1].at == len(token_ids) else None
-        else:  # not observed up to here: what the guess would be, from a throwaway index
-            fresh = _Index()
-            fresh.extend(token_ids)
-            guess = self._guess(fresh, token_ids)
+        guess = self._catch_up(seq_id, token_ids).latest
         if guess is None:
             return [0.0] * max_depth
         return self._scores.profile(guess.kind, max_depth)
@@ -160,17 +164,17 @@ class NgramDrafter(Drafter, Observes, Estimates):
             for guess in index.guesses:
                 self._scores.close(guess)
 
-    def _update(self, seq_id: int, tokens: Sequence[int]) -> _Index:
-        """The sequence's index extended to `tokens`, its earlier guesses scored against what
-        followed them, and its guess for what comes next."""
-        index = self._indexes.setdefault(seq_id, _Index())
-        if index.indexed == len(tokens):
-            return index  # this step's guess is made already
-        index.extend(tokens)
-        index.guesses = [g for g in index.guesses if not self._scores.score(g, tokens[g.at :])]
-        guess = self._guess(index, tokens)
-        if guess is not None:
-            index.guesses.append(guess)
+    def _catch_up(self, seq_id: int, tokens: Sequence[int]) -> _Index:
+        """The sequence's index extended to `tokens` and its guess for what comes next, made once
+        per length (and kept to be scored by the commits that follow)."""
+        index = self._indexes.get(seq_id)
+        if index is None or index.indexed > len(tokens):  # new, or not this sequence's tokens
+            index = self._indexes[seq_id] = _Index()
+        if index.guessed_at != len(tokens):
+            index.extend(tokens)
+            index.guessed_at, index.latest = len(tokens), self._guess(index, tokens)
+            if index.latest is not None:
+                index.guesses.append(index.latest)
         return index
 
     def _guess(self, index: _Index, tokens: Sequence[int]) -> Guess | None:
@@ -199,7 +203,7 @@ class NgramDrafter(Drafter, Observes, Estimates):
 
     def _propose(self, request: DraftRequest) -> Draft:
         tokens = request.token_ids
-        index = self._update(request.seq_id, tokens)
+        index = self._catch_up(request.seq_id, tokens)
         paths = self._continuations(tokens, index, request.max_depth)
         budget = request.tree_budget
         if len(paths) > 1 and budget < MIN_TREE_BUDGET and request.temperature == 0:

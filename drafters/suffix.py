@@ -253,6 +253,8 @@ class _Sequence:
     array: TokenArray = field(default_factory=TokenArray)
     guesses: list[Guess] = field(default_factory=list)  # not yet resolved, oldest first
     lookup: Lookup | None = None
+    guessed_at: int = -1  # the sequence's length at its latest guess (or finding nothing)
+    latest: Guess | None = None  # that guess
 
 
 class SuffixDrafter(Drafter, Observes, Estimates):
@@ -268,7 +270,9 @@ class SuffixDrafter(Drafter, Observes, Estimates):
         return [self._propose(r) for r in requests]
 
     def observe(self, commit: Commit) -> None:
-        self._update(commit.seq_id, commit.token_ids)
+        sequence = self._sequences.get(commit.seq_id)
+        if sequence is not None and sequence.guesses:
+            sequence.guesses = self._scores.resolve(sequence.guesses, commit.token_ids)
 
     def ended(self, ended: Ended) -> None:
         if ended.shared and ended.output_ids:
@@ -288,13 +292,7 @@ class SuffixDrafter(Drafter, Observes, Estimates):
     # -- estimates --------------------------------------------------------------------------------
 
     def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> list[float]:
-        sequence = self._sequences.get(seq_id)
-        if sequence is not None and sequence.array.size == len(token_ids):  # its guess was made at the commit
-            guess = sequence.guesses[-1] if sequence.guesses and sequence.guesses[-1].at == len(token_ids) else None
-        else:  # not observed up to here: the guess it would get, from a throwaway sequence
-            fresh = _Sequence()
-            fresh.array.extend(token_ids)
-            guess = self._guess(self._lookup(fresh, token_ids))
+        guess = self._catch_up(seq_id, token_ids).latest
         if guess is None:
             return [0.0] * max_depth
         return self._scores.profile(guess.kind, max_depth)
@@ -304,17 +302,17 @@ class SuffixDrafter(Drafter, Observes, Estimates):
 
     # -- inside -----------------------------------------------------------------------------------
 
-    def _update(self, seq_id: int, tokens: Sequence[int]) -> _Sequence:
-        """The sequence's array extended to `tokens`, its guesses scored against what followed them,
-        and its guess for what comes next."""
-        sequence = self._sequences.setdefault(seq_id, _Sequence())
-        if sequence.array.size == len(tokens):
-            return sequence  # this step's guess is made already
-        sequence.array.extend(tokens[sequence.array.size :])
-        sequence.guesses = [g for g in sequence.guesses if not self._scores.score(g, tokens[g.at :])]
-        guess = self._guess(self._lookup(sequence, tokens))
-        if guess is not None:
-            sequence.guesses.append(guess)
+    def _catch_up(self, seq_id: int, tokens: Sequence[int]) -> _Sequence:
+        """The sequence's array extended to `tokens` and its guess for what comes next, made once
+        per length (and kept to be scored by the commits that follow), as n-gram lookup does."""
+        sequence = self._sequences.get(seq_id)
+        if sequence is None or sequence.array.size > len(tokens):  # new, or not this sequence's tokens
+            sequence = self._sequences[seq_id] = _Sequence()
+        if sequence.guessed_at != len(tokens):
+            sequence.array.extend(tokens[sequence.array.size :])
+            sequence.guessed_at, sequence.latest = len(tokens), self._guess(self._lookup(sequence, tokens))
+            if sequence.latest is not None:
+                sequence.guesses.append(sequence.latest)
         return sequence
 
     def _lookup(self, sequence: _Sequence, tokens: Sequence[int]) -> Lookup:
@@ -356,7 +354,7 @@ class SuffixDrafter(Drafter, Observes, Estimates):
 
     def _propose(self, request: DraftRequest) -> Draft:
         tokens = request.token_ids
-        lookup = self._lookup(self._update(request.seq_id, tokens), tokens)
+        lookup = self._lookup(self._catch_up(request.seq_id, tokens), tokens)
         if lookup.trie is None or request.tree_budget <= 0 or request.max_depth <= 0:
             return Draft(TokenTree.single(tokens[-1]))
         if lookup.cached is not None:

@@ -136,8 +136,9 @@ def test_guesses_are_scored_so_long_matches_that_agree_are_worth_more():
     for _ in range(12):
         tokens += [rng.randrange(50) for _ in range(30)] + phrase
     drafter = SuffixDrafter(0)
-    for length in range(1, len(tokens) + 1):
+    for length in range(1, len(tokens) + 1):  # as the engine: a commit, then the policy asks
         drafter.observe(Commit(0, tokens[:length], length - 1, {}))
+        drafter.acceptance_profile(0, tokens[:length], 1)
     confident = drafter.acceptance_profile(1, [*phrase[:9], 7, *phrase[:9], 8, *phrase[:8]], 4)  # as in the phrase
     doubtful = drafter.acceptance_profile(2, [7, 8, 9, 7], 4)
     assert confident[0] > 0.9 and confident[3] > 0.5 and doubtful[0] < 0.5
