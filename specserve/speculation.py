@@ -40,9 +40,12 @@ MIN_RATE_GAIN = 0.02
 # Looking at every sequence's guess takes a busy server's policy about a millisecond (32 n-gram
 # searches, 1% of its step): after a look found no plan worth its trees, the next steps at that
 # batch size decide nothing (no look, not even the quick bound check) until looking has cost at
-# most this share of the steps' time on average. (A look at one sequence costs a fraction of that
-# share of its step: it is never skipped.) At 32 clients, where trees about break even, 0.5% of
-# the steps spent looking was most of the loss.
+# most this share of the steps' time on average. At 32 clients, where trees about break even,
+# 0.5% of the steps spent looking was most of the loss. A look at one sequence is never skipped:
+# it is one guess (n-gram and suffix lookup make theirs where asked: suffix lookup over a full
+# cache, about 1% of a batch-1 step), and a skipped step at batch 1 is a whole step without
+# speculation (skipping after every failed look cost the repetitive workload a quarter of its
+# accepted tokens).
 DECIDING_SHARE = 0.002
 
 
@@ -144,7 +147,7 @@ class LookThrottle:
 
     def looked(self, bucket: int, seconds: float, found: bool, plain_seconds: float) -> None:
         self._seconds[bucket] = seconds
-        if not found:
+        if not found and bucket > _bucket(1):
             self._skips[bucket] = int(seconds / (self.share * plain_seconds))
 
 

@@ -510,6 +510,18 @@ def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_ofte
     assert drafter.asked == 2 * 64  # looked at the first step and the seventh
 
 
+def test_a_single_sequence_is_looked_at_every_step_however_long_its_looks_take():
+    """At batch 1 a skipped look is a whole step without speculation: a look that found nothing
+    worth a node (each row costs nearly a step; the guess is 90% sure), though it took three
+    steps' time, is not followed by steps that decide nothing."""
+    cost = ForwardCost([1, 128], [0.05, 5.76])
+    policy = policy_whose_looks_take(0.05, cost)
+    seqs, drafter = known_guesses({0: 0.9})
+    for _ in range(3):
+        assert plan_budgets(policy, dict.fromkeys(seqs, 8), 1, 1024) == {seqs[0]: 0}
+    assert drafter.asked == 3
+
+
 def test_a_plan_pays_for_the_look_that_found_it():
     """Eight sure guesses among 64 decodes buy 12% more tokens per second, where nodes are nearly
     free: drafted while the policy does not know what looking costs. Once a look is known to
