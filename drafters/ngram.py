@@ -37,13 +37,25 @@ class Guess:
 
 
 @dataclass
-class _Index:
+class Guesses:
+    """A sequence's guesses not yet resolved (oldest first), and the latest one, made when it had
+    `guessed_at` tokens (None: nothing matched then)."""
+
+    guesses: list[Guess] = field(default_factory=list)
+    guessed_at: int = -1
+    latest: Guess | None = None
+
+    def made(self, at: int, guess: Guess | None) -> None:
+        self.guessed_at, self.latest = at, guess
+        if guess is not None:
+            self.guesses.append(guess)
+
+
+@dataclass
+class _Index(Guesses):
     """A sequence's tokens as bytes, for n-gram search, and its guesses."""
 
     text: bytearray = field(default_factory=bytearray)  # the first `indexed` tokens, TOKEN_BYTES each
-    guesses: list[Guess] = field(default_factory=list)  # not yet resolved, oldest first
-    guessed_at: int = -1  # the sequence's length at its latest guess (or finding nothing)
-    latest: Guess | None = None  # that guess
 
     @property
     def indexed(self) -> int:
@@ -172,9 +184,7 @@ class NgramDrafter(Drafter, Observes, Estimates):
             index = self._indexes[seq_id] = _Index()
         if index.guessed_at != len(tokens):
             index.extend(tokens)
-            index.guessed_at, index.latest = len(tokens), self._guess(index, tokens)
-            if index.latest is not None:
-                index.guesses.append(index.latest)
+            index.made(len(tokens), self._guess(index, tokens))
         return index
 
     def _guess(self, index: _Index, tokens: Sequence[int]) -> Guess | None:

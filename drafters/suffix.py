@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from drafters.base import Commit, Draft, Drafter, DraftRequest, Ended, Estimates, Observes
-from drafters.ngram import GUESS_DEPTH, Guess, GuessScores
+from drafters.ngram import GUESS_DEPTH, Guess, Guesses, GuessScores
 from drafters.spec import SUFFIX_CACHE_TOKENS
 from specserve.tree import TokenTree
 
@@ -247,14 +247,11 @@ class Lookup:
 
 
 @dataclass
-class _Sequence:
+class _Sequence(Guesses):
     """A sequence's tokens, searchable, its open guesses, and its latest lookup."""
 
     array: TokenArray = field(default_factory=TokenArray)
-    guesses: list[Guess] = field(default_factory=list)  # not yet resolved, oldest first
     lookup: Lookup | None = None
-    guessed_at: int = -1  # the sequence's length at its latest guess (or finding nothing)
-    latest: Guess | None = None  # that guess
 
 
 class SuffixDrafter(Drafter, Observes, Estimates):
@@ -310,9 +307,7 @@ class SuffixDrafter(Drafter, Observes, Estimates):
             sequence = self._sequences[seq_id] = _Sequence()
         if sequence.guessed_at != len(tokens):
             sequence.array.extend(tokens[sequence.array.size :])
-            sequence.guessed_at, sequence.latest = len(tokens), self._guess(self._lookup(sequence, tokens))
-            if sequence.latest is not None:
-                sequence.guesses.append(sequence.latest)
+            sequence.made(len(tokens), self._guess(self._lookup(sequence, tokens)))
         return sequence
 
     def _lookup(self, sequence: _Sequence, tokens: Sequence[int]) -> Lookup:
