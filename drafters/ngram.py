@@ -103,9 +103,9 @@ class GuessScores:
             return True
         return False
 
-    def resolve(self, guesses: list[Guess], tokens: Sequence[int]) -> list[Guess]:
-        """Score a sequence's open guesses against its tokens now: those still open."""
-        return [g for g in guesses if not self.score(g, tokens[g.at :])]
+    def resolve(self, sequence: Guesses, tokens: Sequence[int]) -> None:
+        """Score a sequence's open guesses against its tokens now (a commit's), keeping those still open."""
+        sequence.guesses = [g for g in sequence.guesses if not self.score(g, tokens[g.at :])]
 
     def close(self, guess: Guess) -> None:
         """The sequence ended with the guess still coming true: it counts for the depths it reached."""
@@ -158,8 +158,8 @@ class NgramDrafter(Drafter, Observes, Estimates):
 
     def observe(self, commit: Commit) -> None:
         index = self._indexes.get(commit.seq_id)
-        if index is not None and index.guesses:
-            index.guesses = self._scores.resolve(index.guesses, commit.token_ids)
+        if index is not None:
+            self._scores.resolve(index, commit.token_ids)
 
     def acceptance_profile(self, seq_id: int, token_ids: Sequence[int], max_depth: int) -> list[float]:
         guess = self._catch_up(seq_id, token_ids).latest

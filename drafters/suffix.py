@@ -268,8 +268,8 @@ class SuffixDrafter(Drafter, Observes, Estimates):
 
     def observe(self, commit: Commit) -> None:
         sequence = self._sequences.get(commit.seq_id)
-        if sequence is not None and sequence.guesses:
-            sequence.guesses = self._scores.resolve(sequence.guesses, commit.token_ids)
+        if sequence is not None:
+            self._scores.resolve(sequence, commit.token_ids)
 
     def ended(self, ended: Ended) -> None:
         if ended.shared and ended.output_ids:
