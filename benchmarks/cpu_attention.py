@@ -6,13 +6,19 @@ others. The reference pads requests into SDPA calls, whose blocked loops are fas
 chunks but round a row by its neighbours. This measures what that choice costs or saves per
 step kind, both contenders on the same inputs, taking turns (median microseconds after warm-up).
 
+`--against REV` adds the kernel as it was at a git revision (built beside ours under another
+op namespace) as a third contender in the same process, and checks that its results equal ours
+bit for bit: how a kernel change is measured on a host whose speed drifts between runs.
+
     python benchmarks/cpu_attention.py [--heads 9 --kv-heads 3 --head-dim 64] [--dtypes float32 bfloat16]
+                                       [--against HEAD]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from functools import partial
@@ -22,7 +28,7 @@ import torch
 from report import write_report
 from tqdm import tqdm
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, native, reference
 from kernels.metadata import AttentionMetadata
 from specserve.machine import processor_name
 from specserve.tree import TokenTree
@@ -50,6 +56,33 @@ def case(context: int, tree: TokenTree, requests: int, args, dtype: torch.dtype,
     return q, k_cache, v_cache, meta
 
 
+def kernel_at(revision: str) -> Callable[..., torch.Tensor]:
+    """`tree_attention` as `kernels/cpu/tree_attention.cpp` was at `revision`, built with our flags
+    under the op namespace `specserve_at_<commit>`."""
+    root = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "rev-parse", "--short", revision], cwd=root, check=True, capture_output=True,
+                            text=True).stdout.strip()
+    namespace = f"specserve_at_{commit}"
+    build = native._build_dir().parent / namespace
+    build.mkdir(parents=True, exist_ok=True)
+    for name in ("tree_attention.cpp", "fixed_order.h", "kv_int8.h"):
+        text = subprocess.run(["git", "show", f"{commit}:kernels/cpu/{name}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        (build / name).write_text(text.replace("specserve_cpu", namespace))
+    from torch.utils import cpp_extension
+
+    native.load()
+    cpp_extension.load(name=namespace, sources=[str(build / "tree_attention.cpp")], extra_cflags=native._cflags(),
+                       extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    op = getattr(torch.ops, namespace).tree_attention
+
+    def attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return op(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens, meta.block_tables, meta.ancestor_mask,
+                  scale)
+
+    return attention
+
+
 def in_turns(calls: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:
     """Median microseconds per call, the contenders alternating call by call."""
     for call in calls.values():
@@ -71,29 +104,43 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--against", metavar="REV", help="also time the kernel as it was at this git revision")
     parser.add_argument("--out", default=str(RESULTS / "cpu-attention"))
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    earlier = kernel_at(args.against) if args.against else None
     records, rows = [], []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for name, (context, tree, requests) in tqdm(CASES.items(), desc=f"attention {dtype_name}", unit="case"):
             inputs = (*case(context, tree, requests, args, dtype), args.head_dim**-0.5)
-            us = in_turns({"ours": partial(cpu_attention.paged_tree_attention, *inputs),
-                           "sdpa": partial(reference.paged_tree_attention, *inputs)}, args.repeats)
-            difference = (cpu_attention.paged_tree_attention(*inputs).float()
-                          - reference.paged_tree_attention(*inputs).float()).abs().max().item()
-            records.append({"dtype": dtype_name, "case": name, "context": context, "tree": len(tree),
-                            "requests": requests, "ours_us": us["ours"], "sdpa_us": us["sdpa"],
-                            "max_abs_difference": difference})
-            rows.append([dtype_name, name, f"{us['ours']:.0f}", f"{us['sdpa']:.0f}", f"{us['ours'] / us['sdpa']:.2f}x"])
+            calls = {"ours": partial(cpu_attention.paged_tree_attention, *inputs),
+                     "sdpa": partial(reference.paged_tree_attention, *inputs)}
+            if earlier is not None:
+                calls[args.against] = partial(earlier, *inputs)
+                if not torch.equal(calls["ours"](), calls[args.against]()):
+                    raise SystemExit(f"{name}, {dtype_name}: ours and {args.against}'s kernel give different results")
+            us = in_turns(calls, args.repeats)
+            difference = (calls["ours"]().float() - calls["sdpa"]().float()).abs().max().item()
+            record = {"dtype": dtype_name, "case": name, "context": context, "tree": len(tree), "requests": requests,
+                      "ours_us": us["ours"], "sdpa_us": us["sdpa"], "max_abs_difference": difference}
+            row = [dtype_name, name, f"{us['ours']:.0f}", f"{us['sdpa']:.0f}", f"{us['ours'] / us['sdpa']:.2f}x"]
+            if earlier is not None:
+                record["against_us"] = us[args.against]
+                row += [f"{us[args.against]:.0f}", f"{us['ours'] / us[args.against]:.2f}x"]
+            records.append(record)
+            rows.append(row)
     machine = processor_name()
     caption = (f"Tree attention per layer on `{machine}`, {torch.get_num_threads()} threads, {args.heads} query heads "
                f"over {args.kv_heads} K/V heads of {args.head_dim}, blocks of 16; median us of {args.repeats} calls, "
                "the contenders alternating. ours: the C++ kernel (each row alone); sdpa: the torch reference.")
+    columns = ["dtype", "step", "ours us", "sdpa us", "ours / sdpa"]
+    if earlier is not None:
+        caption += f" {args.against}: our kernel as it was at that revision (results equal to ours bit for bit)."
+        columns += [f"{args.against} us", f"ours / {args.against}"]
     write_report(args.out, {"machine": machine, "threads": torch.get_num_threads(), "heads": args.heads,
-                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "records": records},
-                 caption, ["dtype", "step", "ours us", "sdpa us", "ours / sdpa"], rows)
+                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "against": args.against,
+                            "records": records}, caption, columns, rows)
 
 
 if __name__ == "__main__":

@@ -84,40 +84,102 @@ inline __m256 load8(const BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// The same on AVX2: fixed_order_dot's 16 lanes as two 8-lane registers (lanes j and j + 8), each
-// head's sums kept in registers, the same fma per lane and key as the portable loops.
+// The same on AVX2: fixed_order_dot's 16 lanes as two 8-lane registers (lanes j and j + 8), the
+// same fma per lane and key as the portable loops. Eight keys at a time: their 16-lane sums are
+// reduced together (transposed, the same pairs added in the same order as fixed_order_sum, so the
+// same bits), where one key at a time spent most of the scores' time in horizontal adds.
+
+// fixed_order_sum of each key's lanes j + (j + 8) (`s8[r]`: key r's), keys 0-7 in order.
+inline __m256 fixed_order_sums8(const __m256* s8) {
+  __m256 s4[4];  // keys 2p (low half) and 2p + 1 (high half): lanes j + (j + 4)
+  for (int p = 0; p < 4; ++p)
+    s4[p] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * p], s8[2 * p + 1], 0x20),
+                          _mm256_permute2f128_ps(s8[2 * p], s8[2 * p + 1], 0x31));
+  __m256 s2[2];  // lanes j + (j + 2) of keys 4p, 4p + 2 (low half) and 4p + 1, 4p + 3 (high half)
+  for (int p = 0; p < 2; ++p)
+    s2[p] = _mm256_add_ps(_mm256_shuffle_ps(s4[2 * p], s4[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm256_shuffle_ps(s4[2 * p], s4[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 s1 = _mm256_hadd_ps(s2[0], s2[1]);  // keys 0 2 4 6 | 1 3 5 7
+  return _mm256_permutevar8x32_ps(s1, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// A key's 16 lanes of products summed over the head: lanes 0-7 in `lo`, 8-15 in `hi`.
+template <int C, typename T>
+inline void key_lanes(const float* qh, const T* krow, __m256& lo, __m256& hi) {
+  lo = _mm256_setzero_ps();
+  hi = _mm256_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c), load8(krow + 16 * c), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c + 8), load8(krow + 16 * c + 8), hi);
+  }
+}
+
 template <int C, typename T>
 void scores_of(const float* q, const T* k, int64_t row_stride, const int64_t* slots, int64_t keys,
                int64_t heads, float scale, float* scores, int64_t stride) {
-  for (int64_t i = 0; i < keys; ++i) {
-    const T* krow = k + slots[i] * row_stride;
+  const __m256 factor = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= keys; i += 8) {
+    const T* krows[8];
+    for (int r = 0; r < 8; ++r) krows[r] = k + slots[i + r] * row_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const float* qh = q + h * C * 16;
-      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-      for (int c = 0; c < C; ++c) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c), load8(krow + 16 * c), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c + 8), load8(krow + 16 * c + 8), hi);
+      __m256 s8[8];
+      for (int r = 0; r < 8; ++r) {
+        __m256 lo, hi;
+        key_lanes<C>(qh, krows[r], lo, hi);
+        s8[r] = _mm256_add_ps(lo, hi);  // fixed_order_sum's first step
       }
+      _mm256_storeu_ps(scores + h * stride + i, _mm256_mul_ps(fixed_order_sums8(s8), factor));
+    }
+  }
+  for (; i < keys; ++i) {
+    const T* krow = k + slots[i] * row_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      __m256 lo, hi;
+      key_lanes<C>(q + h * C * 16, krow, lo, hi);
       scores[h * stride + i] = specserve::fixed_order_sum(lo, hi) * scale;
     }
   }
 }
 
+// Heads [h0, h0 + NH) of the part, W registers of columns (8 W of them) per pass over the keys:
+// a V row's columns are loaded once for all NH heads. Each lane's sum takes the keys in order.
+template <int C, int NH, int W, typename T>
+void value_passes(const float* scores, int64_t stride, const T* v, int64_t row_stride, const int64_t* slots,
+                  int64_t keys, int64_t h0, float* out) {
+  for (int c0 = 0; c0 < 2 * C; c0 += W) {
+    __m256 acc[NH][W];
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < W; ++c) acc[h][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < keys; ++i) {
+      const T* vrow = v + slots[i] * row_stride + 8 * c0;
+      __m256 vv[W];
+      for (int c = 0; c < W; ++c) vv[c] = load8(vrow + 8 * c);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 weight = _mm256_set1_ps(scores[(h0 + h) * stride + i]);
+        for (int c = 0; c < W; ++c) acc[h][c] = _mm256_fmadd_ps(weight, vv[c], acc[h][c]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(out + (h0 + h) * C * 16 + 8 * (c0 + c), acc[h][c]);
+  }
+}
+
+// As many heads per pass as the 16 registers hold beside their columns: one head takes a whole
+// row per pass; more share narrower passes, so a long context's V rows are read once for all
+// the part's heads (one head at a time re-read them from L3 for every head).
 template <int C, typename T>
 void values_of(const float* scores, int64_t stride, const T* v, int64_t row_stride, const int64_t* slots,
                int64_t keys, int64_t heads, float* out) {
-  constexpr int kChunk = 8;  // registers of 8 columns summed per pass over the keys
-  for (int64_t h = 0; h < heads; ++h)
-    for (int c0 = 0; c0 < 2 * C; c0 += kChunk) {
-      __m256 acc[kChunk];
-      for (int c = 0; c < kChunk; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < keys; ++i) {
-        const T* vrow = v + slots[i] * row_stride + 8 * c0;
-        const __m256 weight = _mm256_set1_ps(scores[h * stride + i]);
-        for (int c = 0; c < kChunk; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(vrow + 8 * c), acc[c]);
-      }
-      for (int c = 0; c < kChunk; ++c) _mm256_storeu_ps(out + h * C * 16 + 8 * (c0 + c), acc[c]);
-    }
+  int64_t h0 = 0;
+  for (; h0 + 4 <= heads; h0 += 4) value_passes<C, 4, 2>(scores, stride, v, row_stride, slots, keys, h0, out);
+  switch (heads - h0) {
+    case 3: value_passes<C, 3, 2>(scores, stride, v, row_stride, slots, keys, h0, out); break;
+    case 2: value_passes<C, 2, 4>(scores, stride, v, row_stride, slots, keys, h0, out); break;
+    case 1: value_passes<C, 1, 8>(scores, stride, v, row_stride, slots, keys, h0, out); break;
+    default: break;
+  }
 }
 #define TREE_ATTENTION_VECTOR 1
 #endif
@@ -200,7 +262,7 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
     std::vector<float> staged_q, staged_row, sums;  // fp32 copies where T is not fp32
     std::vector<float> staged_kv;  // int8 caches: the item's visible K (then V) rows in fp32
     std::vector<int64_t> in_order;  // 0, 1, ...: the staged rows' slots
-    int64_t slots_of = -1;
+    int64_t slots_of = -1, context_of = -1;  // the token whose keys `slots` holds; the request of its context part
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / (Hkv * parts), kv_head = item / parts % Hkv, part = item % parts;
       const int64_t first = kv_head * group + part * per_part;
@@ -208,14 +270,23 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
       if (heads <= 0) continue;
       const int64_t b = request[t], node = t - sp[b], context = cp[b];
       if (t != slots_of) {
-        auto slot_of = [&](int64_t position) {
-          return tp[b * max_blocks + position / block_size] * block_size + position % block_size;
-        };
-        slots.clear();
-        for (int64_t p = 0; p < context; ++p) slots.push_back(slot_of(p));
+        // Block by block (no division per key); a request's context slots kept for its next token.
+        const int64_t* table = tp + b * max_blocks;
+        if (b != context_of) {
+          slots.clear();
+          for (int64_t p = 0; p < context; p += block_size) {
+            const int64_t base = table[p / block_size] * block_size;
+            for (int64_t o = 0; o < std::min(block_size, context - p); ++o) slots.push_back(base + o);
+          }
+          context_of = b;
+        }
+        slots.resize(context);
         const bool* ancestors = mp + (b * max_n + node) * max_n;
-        for (int64_t j = 0; j <= node; ++j)
-          if (ancestors[j]) slots.push_back(slot_of(context + j));
+        int64_t block = context / block_size, offset = context % block_size;
+        for (int64_t j = 0; j <= node; ++j) {
+          if (ancestors[j]) slots.push_back(table[block] * block_size + offset);
+          if (++offset == block_size) offset = 0, ++block;
+        }
         slots_of = t;
       }
       const int64_t keys = static_cast<int64_t>(slots.size()), stride = keys + specserve::kExpPad;

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_attention.py"
 
 
@@ -21,3 +23,15 @@ def test_cpu_attention_benchmark_writes_json_and_markdown(tmp_path):
         assert record["ours_us"] > 0 and record["sdpa_us"] > 0
         assert record["max_abs_difference"] < (1e-5 if record["dtype"] == "float32" else 2e-2)  # the same attention
     assert "| dtype | step | ours us |" in Path(f"{out}.md").read_text()
+
+
+def test_against_a_revision_times_that_revision_s_kernel_beside_ours(tmp_path):
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=SCRIPT.parent, capture_output=True).returncode != 0:
+        pytest.skip("needs the repository's git history")
+    out = tmp_path / "cpu-attention"
+    subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--dtypes", "float32", "--against", "HEAD",
+                    "--out", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    result = json.loads(Path(f"{out}.json").read_text())
+    assert result["against"] == "HEAD" and len(result["records"]) == 6
+    assert all(record["against_us"] > 0 for record in result["records"])
+    assert "| HEAD us | ours / HEAD |" in Path(f"{out}.md").read_text()
