@@ -226,6 +226,46 @@ void dequantize_rows(const int8_t* base, int64_t row_stride, const int64_t* slot
   for (int64_t i = 0; i < keys; ++i) specserve::dequantize_kv_row(base + slots[i] * row_stride, D, staged.data() + i * D);
 }
 
+// The largest of n scores, eight lanes at a time (a maximum does not depend on the order it is
+// taken in; one running maximum waited on every compare).
+inline float largest(const float* s, int64_t n) {
+  float lanes[8];
+  std::fill(lanes, lanes + 8, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) lanes[j] = std::max(lanes[j], s[i + j]);
+  for (; i < n; ++i) lanes[0] = std::max(lanes[0], s[i]);
+  return *std::max_element(lanes, lanes + 8);
+}
+
+// totals[h] += scores of head h over keys [0, n) in key order: the heads' sums side by side, four
+// at a time, so each waits on its own adds only (one head at a time waited on every add).
+inline void key_order_sums(const float* scores, int64_t stride, int64_t n, int64_t heads, float* totals) {
+  int64_t h = 0;
+  for (; h + 4 <= heads; h += 4) {
+    float t0 = totals[h], t1 = totals[h + 1], t2 = totals[h + 2], t3 = totals[h + 3];
+    const float* s = scores + h * stride;
+    for (int64_t i = 0; i < n; ++i) {
+      t0 += s[i];
+      t1 += s[stride + i];
+      t2 += s[2 * stride + i];
+      t3 += s[3 * stride + i];
+    }
+    totals[h] = t0, totals[h + 1] = t1, totals[h + 2] = t2, totals[h + 3] = t3;
+  }
+  for (; h + 2 <= heads; h += 2) {
+    float t0 = totals[h], t1 = totals[h + 1];
+    const float* s = scores + h * stride;
+    for (int64_t i = 0; i < n; ++i) {
+      t0 += s[i];
+      t1 += s[stride + i];
+    }
+    totals[h] = t0, totals[h + 1] = t1;
+  }
+  for (; h < heads; ++h)
+    for (int64_t i = 0; i < n; ++i) totals[h] += scores[h * stride + i];
+}
+
 // T: the queries' (and output's) type; C: the caches' (fp32, bf16, or int8 rows with their scales).
 template <typename T, typename C>
 void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& starts,
@@ -260,6 +300,7 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
     std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its items
     std::vector<float> scores;  // [heads of the part][keys + kExpPad]
     std::vector<float> staged_q, staged_row, sums;  // fp32 copies where T is not fp32
+    std::vector<float> totals;  // each head's sum of its softmax weights
     std::vector<float> staged_kv;  // int8 caches: the item's visible K (then V) rows in fp32
     std::vector<int64_t> in_order;  // 0, 1, ...: the staged rows' slots
     int64_t slots_of = -1, context_of = -1;  // the token whose keys `slots` holds; the request of its context part
@@ -316,8 +357,7 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
       }
       for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * stride;
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < keys; ++i) best = std::max(best, s[i]);
+        const float best = largest(s, keys);
         for (int64_t i = 0; i < keys; ++i) s[i] -= best;
         specserve::exp_in_place(s, keys);
       }
@@ -341,10 +381,10 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
           }
         }
       }
+      totals.assign(heads, 0.f);
+      key_order_sums(scores.data(), stride, keys, heads, totals.data());
       for (int64_t h = 0; h < heads; ++h) {
-        float total = 0.f;
-        for (int64_t i = 0; i < keys; ++i) total += scores[h * stride + i];
-        const float inverse = 1.f / total;
+        const float inverse = 1.f / totals[h];
         for (int64_t d = 0; d < D; ++d) out_rows[h * D + d] = static_cast<T>(orows[h * D + d] * inverse);
       }
     }
