@@ -238,32 +238,26 @@ inline float largest(const float* s, int64_t n) {
   return *std::max_element(lanes, lanes + 8);
 }
 
-// totals[h] += scores of head h over keys [0, n) in key order: the heads' sums side by side, four
-// at a time, so each waits on its own adds only (one head at a time waited on every add).
+// totals[h] += scores of head h over keys [0, n) in key order, for NH heads side by side: each
+// waits on its own adds only (one head at a time waited on every add).
+template <int NH>
+inline void key_order_sums(const float* scores, int64_t stride, int64_t n, float* totals) {
+  float t[NH];
+  for (int h = 0; h < NH; ++h) t[h] = totals[h];
+  for (int64_t i = 0; i < n; ++i)
+    for (int h = 0; h < NH; ++h) t[h] += scores[h * stride + i];
+  for (int h = 0; h < NH; ++h) totals[h] = t[h];
+}
+
 inline void key_order_sums(const float* scores, int64_t stride, int64_t n, int64_t heads, float* totals) {
   int64_t h = 0;
-  for (; h + 4 <= heads; h += 4) {
-    float t0 = totals[h], t1 = totals[h + 1], t2 = totals[h + 2], t3 = totals[h + 3];
-    const float* s = scores + h * stride;
-    for (int64_t i = 0; i < n; ++i) {
-      t0 += s[i];
-      t1 += s[stride + i];
-      t2 += s[2 * stride + i];
-      t3 += s[3 * stride + i];
-    }
-    totals[h] = t0, totals[h + 1] = t1, totals[h + 2] = t2, totals[h + 3] = t3;
+  for (; h + 4 <= heads; h += 4) key_order_sums<4>(scores + h * stride, stride, n, totals + h);
+  switch (heads - h) {
+    case 3: key_order_sums<3>(scores + h * stride, stride, n, totals + h); break;
+    case 2: key_order_sums<2>(scores + h * stride, stride, n, totals + h); break;
+    case 1: key_order_sums<1>(scores + h * stride, stride, n, totals + h); break;
+    default: break;
   }
-  for (; h + 2 <= heads; h += 2) {
-    float t0 = totals[h], t1 = totals[h + 1];
-    const float* s = scores + h * stride;
-    for (int64_t i = 0; i < n; ++i) {
-      t0 += s[i];
-      t1 += s[stride + i];
-    }
-    totals[h] = t0, totals[h + 1] = t1;
-  }
-  for (; h < heads; ++h)
-    for (int64_t i = 0; i < n; ++i) totals[h] += scores[h * stride + i];
 }
 
 // T: the queries' (and output's) type; C: the caches' (fp32, bf16, or int8 rows with their scales).
