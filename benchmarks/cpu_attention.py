@@ -63,17 +63,15 @@ def kernel_at(revision: str) -> Callable[..., torch.Tensor]:
     commit = subprocess.run(["git", "rev-parse", "--short", revision], cwd=root, check=True, capture_output=True,
                             text=True).stdout.strip()
     namespace = f"specserve_at_{commit}"
-    build = native._build_dir().parent / namespace
+    build = native.build_root() / namespace
     build.mkdir(parents=True, exist_ok=True)
-    for name in ("tree_attention.cpp", "fixed_order.h", "kv_int8.h"):
-        text = subprocess.run(["git", "show", f"{commit}:kernels/cpu/{name}"], cwd=root, check=True,
+    source = build / "tree_attention.cpp"
+    for path in (native.SOURCES[0].parent / "tree_attention.cpp", *native.HEADERS):
+        text = subprocess.run(["git", "show", f"{commit}:kernels/cpu/{path.name}"], cwd=root, check=True,
                               capture_output=True, text=True).stdout
-        (build / name).write_text(text.replace("specserve_cpu", namespace))
-    from torch.utils import cpp_extension
-
+        (build / path.name).write_text(text.replace("specserve_cpu", namespace))
     native.load()
-    cpp_extension.load(name=namespace, sources=[str(build / "tree_attention.cpp")], extra_cflags=native._cflags(),
-                       extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    native.compile_library(namespace, [source], build)
     op = getattr(torch.ops, namespace).tree_attention
 
     def attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

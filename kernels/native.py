@@ -43,6 +43,7 @@ import torch
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp",
                         "sampling_rows.cpp", "activation.cpp", "decoder_stack.cpp")]
+HEADERS = [SOURCES[0].parent / name for name in ("fixed_order.h", "int8_rows.h", "kv_int8.h")]
 log = logging.getLogger(__name__)
 
 
@@ -70,35 +71,40 @@ def build_key() -> str:
     except OSError:
         pass
     digest = hashlib.sha256()
-    sources = [*SOURCES, *(SOURCES[0].parent / h for h in ("fixed_order.h", "int8_rows.h", "kv_int8.h"))]
+    sources = [*SOURCES, *HEADERS]
     for part in (flags, *_cflags(), *(s.read_text() for s in sources), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
 
-def _build_dir() -> Path:
-    from specserve.pull import cache_dir  # the kernel lives beside the models and cost curves
+def build_root() -> Path:
+    """Where compiled kernels are kept: beside the models and cost curves."""
+    from specserve.pull import cache_dir
 
-    path = cache_dir() / "kernels" / f"cpu-{build_key()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return cache_dir() / "kernels"
+
+
+def compile_library(name: str, sources: list[Path], build_directory: Path) -> None:
+    """Compile `sources` (once; ninja rebuilds what changed) into a library that registers its ops
+    with torch, with the kernels' own flags."""
+    from torch.utils import cpp_extension
+
+    build_directory.mkdir(parents=True, exist_ok=True)
+    # pip puts ninja beside the interpreter; a server started as .venv/bin/specserve lacks it on PATH
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    cpp_extension.load(
+        name=name, sources=[str(s) for s in sources], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+        build_directory=str(build_directory), is_python_module=False,
+        verbose=os.environ.get("SPECSERVE_VERBOSE_BUILD") == "1",
+    )
 
 
 @cache
 def load() -> None:
     """Build (once per CPU) and load the kernels, registering `torch.ops.specserve_cpu`."""
-    from torch.utils import cpp_extension
-
     start = time.perf_counter()
-    # pip puts ninja beside the interpreter; a server started as .venv/bin/specserve lacks it on PATH
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    cflags = _cflags()
     try:
-        cpp_extension.load(
-            name="specserve_cpu", sources=[str(s) for s in SOURCES], extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"], build_directory=str(_build_dir()), is_python_module=False,
-            verbose=os.environ.get("SPECSERVE_VERBOSE_BUILD") == "1",
-        )
+        compile_library("specserve_cpu", SOURCES, build_root() / f"cpu-{build_key()}")
     except (RuntimeError, OSError, ImportError) as e:
         raise KernelBuildError(
             f"could not build specserve's CPU kernels ({e}). It needs a C++ compiler (g++) and ninja "
