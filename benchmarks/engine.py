@@ -14,13 +14,16 @@ that differ only in the pool's dtype (`--kv-cache-dtypes`, default bf16 vs int8)
 `--kv-cache-memory`, stepped in turn for `--steps` steps each. Per dtype: the requests the
 scheduler runs at once (its running count after each step, mean over the second half of the
 steps: by then the first requests have finished and their clients sent the next, the closed
-loop's steady state) and aggregate generated tok/s. Replies are long (half of each request by
+loop's steady state), its preemptions and aggregate generated tok/s. `--schedule-conservativeness
+0,1` also compares admission that keeps room for the running requests' growth (1, the default)
+with admission on a prompt's first chunk alone (0, vLLM's way). Replies are long (half of each request by
 default) so that the pool, not the step's token budget, bounds the running count: with short
 replies a request finishes before the budget's prompt chunks have filled a large pool, and both
 dtypes run what prefill keeps up with.
 
     python benchmarks/engine.py [--model smollm2-135m-instruct] [--quantization auto] [--repeats 3]
     python benchmarks/engine.py --memory-bound [--kv-cache-memory 768MiB] [--request-tokens 2048] [--steps 3000]
+                                [--kv-cache-dtypes bf16,int8] [--schedule-conservativeness 1]
 """
 
 from __future__ import annotations
@@ -141,66 +144,81 @@ def long_prompts(engine: LLMEngine, questions: Path, count: int, prompt_tokens: 
 
 
 def memory_bound(args: argparse.Namespace, path: Path) -> None:
-    """Aggregate tok/s and requests running at once, per KV pool dtype, in the same pool bytes."""
-    dtypes = args.kv_cache_dtypes.split(",")
-    engines = {kv: LLMEngine(path, args.dtype, EngineConfig(
+    """Aggregate tok/s and requests running at once per engine setting (KV pool dtype x admission's
+    conservativeness), in the same pool bytes."""
+    settings = [(kv, float(c)) for kv in args.kv_cache_dtypes.split(",")
+                for c in args.schedule_conservativeness.split(",")]
+    names = [_setting_name(kv, c, args) for kv, c in settings]
+    engines = {name: LLMEngine(path, args.dtype, EngineConfig(
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=kv, quantization=args.quantization,
-        max_num_seqs=args.clients, enable_prefix_caching=False, speculation="off")) for kv in dtypes}
-    first = engines[dtypes[0]]
+        max_num_seqs=args.clients, enable_prefix_caching=False, speculation="off", schedule_conservativeness=c))
+        for name, (kv, c) in zip(names, settings, strict=True)}
+    first = engines[names[0]]
     prompts = long_prompts(first, args.questions, args.clients, args.request_tokens - args.reply_tokens)
     reply = args.request_tokens - max(map(len, prompts))
     params = SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True)
-    run_engine(first, prompts[:2], 4)  # warm-up (each engine's first steps also build its kernels)
-    loops = {kv: ClosedLoop(engine, prompts, params, concurrency=args.clients, steps=args.steps)
-             for kv, engine in engines.items()}
-    running: dict[str, list[int]] = {kv: [] for kv in dtypes}
-    with tqdm(total=args.steps * len(dtypes), desc="memory-bound", unit="step") as bar:
+    for engine in engines.values():  # warm-up (each engine's first steps also build its kernels)
+        run_engine(engine, prompts[:2], 4)
+    loops = {name: ClosedLoop(engine, prompts, params, concurrency=args.clients, steps=args.steps)
+             for name, engine in engines.items()}
+    running: dict[str, list[int]] = {name: [] for name in names}
+    with tqdm(total=args.steps * len(names), desc="memory-bound", unit="step") as bar:
         while not all(loop.done for loop in loops.values()):
-            for kv, loop in loops.items():
+            for name, loop in loops.items():
                 if not loop.done:
                     loop.step()
                     if not loop.done:  # the last step ends in aborting whatever still runs
-                        running[kv].append(len(engines[kv].scheduler.running))
+                        running[name].append(len(engines[name].scheduler.running))
                     bar.update()
     per: dict[str, dict] = {}
-    for kv, loop in loops.items():
-        steady = running[kv][len(running[kv]) // 2:]
-        per[kv] = {"kv_cache_dtype": engines[kv].info["kv_cache_dtype"], "kv_tokens": engines[kv].num_kv_tokens,
-                   "running_mean": statistics.mean(steady), "running_median": statistics.median(steady),
-                   "running_max": max(running[kv]), "finished": len(loop.finished),
-                   "tokens": loop.generated, "busy_s": loop.busy_s, "tokens_per_s": loop.generated / loop.busy_s,
-                   "preemptions": sum(o.metrics.num_preemptions for o in loop.finished + loop.aborted)}
-    base = per[dtypes[0]]
-    rows = [[kv, f"{v['kv_cache_dtype']}", f"{v['kv_tokens']:,}", f"{v['kv_tokens'] / base['kv_tokens']:.2f}x",
+    for (name, loop), (_, c) in zip(loops.items(), settings, strict=True):
+        engine = engines[name]
+        steady = running[name][len(running[name]) // 2:]
+        per[name] = {"kv_cache_dtype": engine.info["kv_cache_dtype"], "schedule_conservativeness": c,
+                     "kv_tokens": engine.num_kv_tokens, "running_mean": statistics.mean(steady),
+                     "running_median": statistics.median(steady), "running_max": max(running[name]),
+                     "finished": len(loop.finished), "tokens": loop.generated, "busy_s": loop.busy_s,
+                     "tokens_per_s": loop.generated / loop.busy_s, "preemptions": engine.scheduler.num_preemptions}
+    base = per[names[0]]
+    rows = [[name, f"{v['kv_cache_dtype']}", f"{v['kv_tokens']:,}", f"{v['kv_tokens'] / base['kv_tokens']:.2f}x",
              f"{v['running_mean']:.1f} (median {v['running_median']:g}, max {v['running_max']})",
-             f"{v['running_mean'] / base['running_mean']:.2f}x", str(v["finished"]), f"{v['tokens_per_s']:.1f}",
-             f"{v['tokens_per_s'] / base['tokens_per_s']:.2f}x"] for kv, v in per.items()]
+             f"{v['running_mean'] / base['running_mean']:.2f}x", str(v["preemptions"]), str(v["finished"]),
+             f"{v['tokens_per_s']:.1f}", f"{v['tokens_per_s'] / base['tokens_per_s']:.2f}x"] for name, v in per.items()]
     caption = (f"Memory-bound serving: {args.model} ({first.info['weights']}, {first.info['dtype']} activations, "
                f"{processor_name()}, {torch.get_num_threads()} threads), {args.clients} closed-loop clients of "
                f"{min(map(len, prompts))}-{max(map(len, prompts))}-token prompts and {reply}-token greedy replies "
                f"(requests of up to {args.request_tokens} tokens), --kv-cache-memory {args.kv_cache_memory}, no "
                f"prefix caching, no speculation, engines stepped in turn for {args.steps} steps each. Running: the "
                f"scheduler's running count after each step, mean (and median) over the second half of the steps "
-               f"(the steady state: the first requests have finished and their clients sent the next).")
+               f"(the steady state: the first requests have finished and their clients sent the next). "
+               f"Preemptions: sequences preempted for blocks (each computed again from its first token).")
     write_report(args.out, {"model": args.model, "machine": processor_name(), "clients": args.clients,
                             "kv_cache_memory": args.kv_cache_memory, "request_tokens": args.request_tokens,
                             "prompt_tokens": [len(p) for p in prompts], "reply_tokens": reply,
-                            "threads": torch.get_num_threads(), "per_dtype": per, "running": running},
-                 caption, ["--kv-cache-dtype", "pool", "KV tokens", "vs first", "running at once", "vs first",
+                            "threads": torch.get_num_threads(), "per_setting": per, "running": running},
+                 caption, ["engine", "pool", "KV tokens", "vs first", "running at once", "vs first", "preemptions",
                            "finished", "tok/s", "vs first"], rows)
     plot_running(running, f"{args.out}.png")
 
 
+def _setting_name(kv: str, conservativeness: float, args: argparse.Namespace) -> str:
+    """`--kv-cache-dtype bf16`, with the conservativeness where several are compared."""
+    name = f"--kv-cache-dtype {kv}"
+    if "," in args.schedule_conservativeness:
+        name += f" --schedule-conservativeness {conservativeness:g}"
+    return name
+
+
 def plot_running(running: dict[str, list[int]], path: str) -> None:
-    """The running count after every step, one line per pool dtype."""
+    """The running count after every step, one line per engine setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for kv, counts in running.items():
-        ax.plot(range(1, len(counts) + 1), counts, label=f"--kv-cache-dtype {kv}")
+    for name, counts in running.items():
+        ax.plot(range(1, len(counts) + 1), counts, label=name)
     ax.axvline(len(next(iter(running.values()))) // 2, color="grey", linestyle=":", label="steady state from here")
     ax.set_xlabel("engine step")
     ax.set_ylabel("requests running")
@@ -229,6 +247,9 @@ def main() -> None:
     parser.add_argument("--request-tokens", type=int, default=2048, help="memory-bound: prompt + reply tokens")
     parser.add_argument("--reply-tokens", type=int, default=1024, help="memory-bound: about this many replied")
     parser.add_argument("--steps", type=int, default=3000, help="memory-bound: steps per engine")
+    parser.add_argument("--schedule-conservativeness", default="1",
+                        help="memory-bound: admission's, one engine per value and dtype (0: admit on the first "
+                             "prompt chunk, vLLM's way)")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.memory_bound:

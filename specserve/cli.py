@@ -329,6 +329,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "worker-process path for one rank too (one GPU runs NCCL and the step broadcast)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences running per step at most (default 64)")
+    p.add_argument("--schedule-conservativeness", type=float, default=None,
+                   help="room admission keeps for running requests' growth (default 1; higher: fewer "
+                        "preemptions, fewer requests at once; 0: admit as soon as a prompt's first chunk fits)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per forward at most: prompt chunks, decodes and trees (default 512)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -342,7 +345,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
     settings = load_config_file(args.config) if args.config else {}
     for name in ("target", "draft", "speculation", "max_tree_tokens", "draft_top_k", "draft_beam", "draft_vocab",
                  "draft_quantization", "quantization", "kv_cache_memory", "kv_cache_dtype", "dtype", "block_size",
-                 "max_num_seqs",
+                 "max_num_seqs", "schedule_conservativeness",
                  "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "device", "load_format",
                  "enforce_eager", "tensor_parallel_size", "distributed_executor"):
         if getattr(args, name) is not None:

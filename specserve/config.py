@@ -36,6 +36,10 @@ class EngineConfig:
     # CPU, DEFAULT_GPU_MEMORY_UTILIZATION on a GPU.
     kv_cache_memory: int | float | str | None = None
     enable_prefix_caching: bool = True
+    # How much room admission keeps for the running sequences' growth (`specserve.admission`,
+    # SGLang's flag): 1 the default, higher fewer preemptions, 0 admits on the first prompt
+    # chunk alone (vLLM's way) and leaves the rest to preemption.
+    schedule_conservativeness: float = 1.0
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
     draft: str = "none"  # drafter spec (see `drafters.spec`): "ngram", "early-exit:6", a model, "a+b", "none"
     max_tree_tokens: int = 8  # drafted nodes per request and step at most
@@ -85,6 +89,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                 f"({self.max_num_seqs}): raise the token budget or lower max_num_seqs")
+        if not self.schedule_conservativeness >= 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and one to generate), "
                              f"got {self.max_model_len}")

@@ -91,6 +91,8 @@ class ServerMetrics:
                [f"{{{labels}}} 1"])
         metric("num_requests_running", "gauge", "Sequences running in the engine.", len(scheduler.running))
         metric("num_requests_waiting", "gauge", "Sequences waiting to run.", len(scheduler.waiting))
+        metric("num_preemptions_total", "counter", "Sequences preempted for KV blocks (recomputed later).",
+               scheduler.num_preemptions)
         metric("kv_cache_usage_perc", "gauge", "Share of KV blocks held by requests (1 = all).",
                1.0 - blocks.num_free_blocks / blocks.num_blocks)
         metric("kv_cache_blocks", "gauge", "KV blocks in the pool.", blocks.num_blocks)

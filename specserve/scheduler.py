@@ -3,10 +3,11 @@
 Every step is one flat batch under `max_num_batched_tokens` and `max_num_seqs` (Orca's
 iteration-level scheduling). Decoding sequences are served first (one token each), then
 prompt chunks fill the remaining budget (Sarathi/SplitFuse chunked prefill), so a long
-prompt never stalls the others. When the KV pool runs out, the newest running sequence is
-preempted: its blocks are freed and it is recomputed later from its prompt plus the tokens
-it already emitted (those are kept, never emitted again; the prefix cache usually spares
-most of the recomputation).
+prompt never stalls the others. A waiting sequence starts only where the free pool also keeps
+room for the running sequences' expected growth (`specserve.admission`). When the KV pool runs
+out all the same, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later from its prompt plus the tokens it already emitted (those are kept, never
+emitted again; the prefix cache usually spares most of the recomputation).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from specserve.admission import NewTokenRatio
 from specserve.block_manager import BlockManager, BlockTable, NoFreeBlocks
 from specserve.config import EngineConfig
 from specserve.cost_model import decode_keys
@@ -72,6 +74,8 @@ class Scheduler:
         self.policy = policy or FixedPolicy()  # tree budgets: see specserve.speculation
         self.waiting: deque[Sequence] = deque()  # oldest first; preempted sequences go back to the front
         self.running: list[Sequence] = []  # in arrival (seq_id) order
+        self.new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.num_preemptions = 0  # since start
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,9 +91,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq.block_table)
         seq.status = SequenceStatus.FINISHED
+        self.new_token_ratio.ended(seq)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self.new_token_ratio.step()
         budget = self.config.max_num_batched_tokens
         wanted: dict[Sequence, int] = {}
         # Decodes first, then their drafted trees, then prompt chunks (oldest first) from what is left.
@@ -163,9 +169,15 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)  # newest preempted first, so the oldest ends up in front
+        self.num_preemptions += 1
+        self.new_token_ratio.preempted(self.running)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        """Start waiting sequences in arrival order while budget, sequence slots and blocks last."""
+        """Start waiting sequences in arrival order while budget, sequence slots and blocks last,
+        blocks for the running sequences' expected growth included (`specserve.admission`)."""
+        if not self.waiting:
+            return
+        growth = self._expected_growth()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
@@ -174,6 +186,10 @@ class Scheduler:
             table = self.blocks.allocate(seq.token_ids)
             context_len = table.num_cached_tokens
             num_tokens = min(seq.num_tokens - context_len, budget)
+            needs = self.new_token_ratio.unreserved(seq, table.num_slots(self.blocks.block_size))
+            if growth is not None and self.running and growth + needs > self._free_slots():
+                self.blocks.free(table)
+                return  # first come, first served (below): nobody overtakes the head of the queue
             try:
                 self.blocks.ensure_slots(table, context_len + num_tokens)
             except NoFreeBlocks:
@@ -188,3 +204,16 @@ class Scheduler:
             self.running.sort(key=lambda s: s.seq_id)  # a resumed sequence is older than newer admissions
             plan.scheduled.append(ScheduledSequence(seq, context_len, num_tokens))
             budget -= num_tokens
+            if growth is not None:  # what it may still need beyond the blocks it now holds
+                growth += self.new_token_ratio.unreserved(seq, table.num_slots(self.blocks.block_size))
+
+    def _expected_growth(self) -> float | None:
+        """Pool slots the running sequences are expected to take beyond their blocks (None: admission
+        keeps no room for them, `schedule_conservativeness` 0)."""
+        if not self.new_token_ratio.reserves:
+            return None
+        size = self.blocks.block_size
+        return sum(self.new_token_ratio.unreserved(s, s.block_table.num_slots(size)) for s in self.running)
+
+    def _free_slots(self) -> int:
+        return self.blocks.num_free_blocks * self.blocks.block_size

@@ -66,6 +66,9 @@ def test_config_files_refuse_unknown_settings(tmp_path):
     path.write_text("draft_quantization: int2\n")
     with pytest.raises(ValueError, match="draft_quantization 'int2': use int8, int4 or none"):
         load_config_file(path)
+    path.write_text("schedule_conservativeness: -1\n")
+    with pytest.raises(ValueError, match="schedule_conservativeness must be >= 0"):
+        load_config_file(path)
     path.write_text("speculation: sometimes\n")
     with pytest.raises(ValueError, match="use one of adaptive, fixed, off"):
         load_config_file(path)
@@ -84,6 +87,8 @@ def test_flags_override_the_config_file(tmp_path):
     assert engine_settings(args)["draft_quantization"] == "int8"
     args = build_parser().parse_args(["serve", "--enforce-eager"])
     assert engine_settings(args)["enforce_eager"] is True
+    args = build_parser().parse_args(["serve", "--schedule-conservativeness", "0"])
+    assert engine_settings(args)["schedule_conservativeness"] == 0.0
     args = build_parser().parse_args(["generate", "hi"])
     assert engine_settings(args) == {"target": "smollm2-135m-instruct"}
 

@@ -25,7 +25,8 @@ def test_random_submits_aborts_and_preemptions_leave_no_block_behind(tiny_chat_m
     kv_cache_dtype, token_bytes = ("int8", 2 * 2 * 2 * 17) if seed % 2 else ("auto", 512)
     engine = make_engine(tiny_chat_model, block_size=rng.choice([4, 8, 16]), kv_cache_dtype=kv_cache_dtype,
                          kv_cache_memory=rng.randint(100, 250) * token_bytes,
-                         max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([8, 24, 64]))
+                         max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=rng.choice([8, 24, 64]),
+                         schedule_conservativeness=[0.0, 1.0, 2.0][seed % 3])  # 0: admitted as vLLM admits
     preemptions = 0
     bm = engine.block_manager
     shared = [rng.randrange(3, 49000) for _ in range(40)]

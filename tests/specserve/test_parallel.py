@@ -149,7 +149,7 @@ def test_two_ranks_under_preemption(model_dir, one_rank):
     per_rank_block = KVCache.bytes_per_block(local_config(make_config(model_dir), 2), 16, torch.float32)
     longest = max(len(p) for p in PROMPTS) + MAX_TOKENS
     engine = make_engine(model_dir, 2, draft="ngram", speculation="fixed", enable_prefix_caching=False,
-                         kv_cache_memory=per_rank_block * (longest // 16 + 4))
+                         kv_cache_memory=per_rank_block * (longest // 16 + 4), schedule_conservativeness=0)
     try:
         tokens, preemptions = generate(engine, PROMPTS * 4)  # sixteen requests where room is for two or three
     finally:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from specserve.admission import DECAY_STEPS, INITIAL_RATIO, MIN_RATIO_FACTOR, RESUME_STEPS, NewTokenRatio
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
 from specserve.detokenizer import TextStream
@@ -86,8 +87,9 @@ def test_running_sequences_are_capped():
 
 
 def test_out_of_blocks_preempts_the_newest_which_later_resumes_without_losing_tokens():
-    # 6 blocks of 4 slots: three sequences of 8 tokens fit, but not once they grow.
-    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=32)
+    # 6 blocks of 4 slots: three sequences of 8 tokens fit, but not once they grow (all three
+    # admitted at once, as vLLM admits: conservativeness 0 keeps no room for their growth).
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=32, schedule_conservativeness=0)
     seqs = [make_seq(i, 7, max_tokens=6) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -109,7 +111,7 @@ def test_out_of_blocks_preempts_the_newest_which_later_resumes_without_losing_to
 
 
 def test_a_preempted_sequence_recomputes_prompt_and_output():
-    sched = make_scheduler(num_blocks=4, max_num_batched_tokens=32)
+    sched = make_scheduler(num_blocks=4, max_num_batched_tokens=32, schedule_conservativeness=0)
     old, new = make_seq(0, 7, max_tokens=9), make_seq(1, 7, max_tokens=9)  # 16 tokens: the whole pool
     sched.add(old)
     sched.add(new)
@@ -154,11 +156,12 @@ def test_later_samples_wait_until_sample_zero_has_cached_the_prompt():
     assert shared.context_len == 8  # two full blocks from the prefix cache; the tail block is its own
 
 
+@pytest.mark.parametrize("conservativeness", [0.0, 1.0])
 @pytest.mark.parametrize("seed", range(20))
-def test_random_lifecycles_never_leak_blocks(seed):
+def test_random_lifecycles_never_leak_blocks(seed, conservativeness):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=rng.randint(8, 20), max_num_batched_tokens=rng.choice([8, 16, 32]),
-                           max_num_seqs=rng.choice([2, 4, 8]))
+                           max_num_seqs=rng.choice([2, 4, 8]), schedule_conservativeness=conservativeness)
     seqs: list[Sequence] = []
     for step in range(300):
         if rng.random() < 0.3 and len(seqs) < 40:
@@ -187,6 +190,86 @@ def test_random_lifecycles_never_leak_blocks(seed):
         run_step(sched, sched.schedule())
     sched.blocks.check_invariants([])
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_admission_keeps_room_for_what_running_sequences_may_still_emit():
+    # 16 blocks of 4 slots. `running` may emit 39 more tokens: a newcomer whose prompt alone fits
+    # waits while the share of those tokens the scheduler expects (0.7 at first) would not fit
+    # beside it; admitted as vLLM admits (conservativeness 0), it would start at once.
+    for conservativeness, starts in ((1.0, False), (0.0, True)):
+        sched = make_scheduler(num_blocks=16, max_num_batched_tokens=32, schedule_conservativeness=conservativeness)
+        running = make_seq(0, 4, max_tokens=40)
+        sched.add(running)
+        run_step(sched, sched.schedule())
+        newcomer = make_seq(1, 24, max_tokens=40)
+        sched.add(newcomer)
+        plan = sched.schedule()
+        assert (newcomer in [s.seq for s in plan.scheduled]) is starts
+    sched.finish(running)  # once the room is there, it starts
+    assert [s.seq for s in sched.schedule().scheduled] == [newcomer]
+
+
+def test_a_reply_counts_as_long_as_the_longest_recent_ones_not_its_max_tokens():
+    """A chat completion without max_tokens may run to the context's end; most end far sooner.
+    Before any reply has ended a running one counts as up to 4096 tokens (SGLang's bound); once
+    replies of 10 tokens have ended, one with room for 200 counts as about that long."""
+    def newcomer_starts(replies_before: int) -> bool:
+        sched = make_scheduler(num_blocks=64, max_num_batched_tokens=32)
+        run_until_done(sched, [make_seq(10 + i, 4, max_tokens=10) for i in range(replies_before)])
+        running = make_seq(0, 4, max_tokens=200)
+        sched.add(running)
+        run_step(sched, sched.schedule())
+        newcomer = make_seq(1, 4, max_tokens=200)
+        sched.add(newcomer)
+        return newcomer in [s.seq for s in sched.schedule().scheduled]
+
+    assert not newcomer_starts(0) and newcomer_starts(3)
+
+
+def run_until_done(sched: Scheduler, seqs: list[Sequence]) -> int:
+    """All of `seqs` submitted at once, stepped to completion; the prompt and output tokens computed."""
+    for seq in seqs:
+        sched.add(seq)
+    computed = 0
+    for _ in range(5000):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        computed += sum(s.num_tokens for s in plan.scheduled)
+        run_step(sched, plan)
+    assert all(s.is_finished for s in seqs)
+    return computed
+
+
+def test_a_full_pool_preempts_and_recomputes_far_less_than_admitting_on_the_first_chunk():
+    """Sixteen requests of 10 + 30 tokens where the pool holds about two and a half: admitted on
+    their first chunk (vLLM's way), the newest are preempted again and again as the others grow."""
+    totals = {}
+    for conservativeness in (0.0, 1.0):
+        sched = make_scheduler(num_blocks=24, max_num_batched_tokens=32, schedule_conservativeness=conservativeness)
+        seqs = [make_seq(i, 10, max_tokens=30) for i in range(16)]
+        totals[conservativeness] = (run_until_done(sched, seqs), sched.num_preemptions)
+        assert [s.output_ids for s in seqs] == [[99] * 30] * 16
+        assert sched.blocks.num_free_blocks == 24
+    (computed_vllm, preempted_vllm), (computed, preempted) = totals[0.0], totals[1.0]
+    assert preempted < preempted_vllm / 2
+    needed = 16 * 40  # every prompt and output token once; the rest is recomputation
+    assert computed - needed < (computed_vllm - needed) / 4
+
+
+def test_the_expected_share_decays_while_nobody_is_preempted_and_rises_when_someone_is():
+    ratio = NewTokenRatio(1.0)
+    assert ratio.value == INITIAL_RATIO
+    for _ in range(DECAY_STEPS):
+        ratio.step()
+    assert ratio.value == pytest.approx(INITIAL_RATIO * MIN_RATIO_FACTOR)
+    nearly_done = make_seq(0, 4, max_tokens=100)
+    nearly_done.output_ids = [1] * 60  # survivors that used most of their max_tokens: expect as much
+    ratio.preempted([nearly_done])
+    assert ratio.value == pytest.approx((60 + RESUME_STEPS) / 101)
+    ratio.preempted([make_seq(1, 4, max_tokens=100)])  # never below what it was, nor below the start
+    assert ratio.value == pytest.approx((60 + RESUME_STEPS) / 101)
+    assert NewTokenRatio(2.0).value == 1.0 and not NewTokenRatio(0.0).reserves
 
 
 def test_a_sequence_that_can_never_fit_raises_instead_of_spinning():

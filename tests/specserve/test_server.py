@@ -217,10 +217,11 @@ def test_metrics_count_requests_latencies_and_speculation_in_prometheus_format(s
     assert metric(server, "time_to_first_token_seconds_count") == before + 1
     assert metric(server, 'request_success_total{finished_reason="length"}') == ended + 1
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
-                 "prefix_cache_hits", "generation_tokens_total", "time_per_output_token_seconds_bucket",
-                 "e2e_request_latency_seconds_sum", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                 "spec_decode_num_accepted_tokens", "kv_cache_blocks", "kv_cache_bytes_per_token"):
+    for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total", "kv_cache_usage_perc",
+                 "prefix_cache_queries", "prefix_cache_hits", "generation_tokens_total",
+                 "time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_sum", "spec_decode_num_drafts",
+                 "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "kv_cache_blocks",
+                 "kv_cache_bytes_per_token"):
         assert f"specserve:{name}" in text
     assert "# TYPE specserve:time_to_first_token_seconds histogram" in text
     # what runs: the tiny model's plain fp32 weights, our fp32 attention kernel, its drafter
