@@ -216,13 +216,13 @@ def plot_running(running: dict[str, list[int]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.5 + 0.25 * len(running)))
     for name, counts in running.items():
         ax.plot(range(1, len(counts) + 1), counts, label=name)
     ax.axvline(len(next(iter(running.values()))) // 2, color="grey", linestyle=":", label="steady state from here")
     ax.set_xlabel("engine step")
     ax.set_ylabel("requests running")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize="small")  # below: the lines fill the axes
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -10,9 +10,9 @@ at `INITIAL_RATIO` (times `schedule_conservativeness`), decays to `MIN_RATIO_FAC
 back up when a preemption shows it was too low. Conservativeness 0 admits on the first chunk alone.
 
 A reply counts as running at most as long as the longest of the last `RECENT_REPLIES` that ended
-(SGLang: 4096 tokens, which is what counts before any has ended). A chat completion without
-max_tokens may run to the context's end, yet most end within a few hundred tokens; on a CPU's
-small pool the fixed 4096 held 16 such clients to 11 at once for the first 600 steps.
+by themselves (SGLang: 4096 tokens, which is what counts before any has). A chat completion without
+max_tokens may run to the context's end, yet most end within a few hundred tokens, and 4096 is a
+large share of a CPU's pool: such clients would wait until the share had decayed.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class NewTokenRatio:
         self.value = max(self.minimum, self.value - (self.initial - self.minimum) / DECAY_STEPS)
 
     def ended(self, seq: Sequence) -> None:
-        """A sequence finished: its reply's length counts (not an aborted one's, cut short)."""
-        if seq.finish_reason in ("stop", "length"):
+        """A sequence finished: its reply's length counts if the reply ended itself (EOS or a stop);
+        one cut short by its max_tokens or an abort says nothing of how long replies run."""
+        if seq.finish_reason == "stop":
             self._replies.append(len(seq.output_ids))
 
     def preempted(self, running: Iterable[Sequence]) -> None:

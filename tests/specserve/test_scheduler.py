@@ -209,13 +209,14 @@ def test_admission_keeps_room_for_what_running_sequences_may_still_emit():
     assert [s.seq for s in sched.schedule().scheduled] == [newcomer]
 
 
-def test_a_reply_counts_as_long_as_the_longest_recent_ones_not_its_max_tokens():
+def test_a_reply_counts_as_long_as_the_longest_recent_ones_that_ended_by_themselves():
     """A chat completion without max_tokens may run to the context's end; most end far sooner.
-    Before any reply has ended a running one counts as up to 4096 tokens (SGLang's bound); once
-    replies of 10 tokens have ended, one with room for 200 counts as about that long."""
-    def newcomer_starts(replies_before: int) -> bool:
+    Before any reply has ended by itself a running one counts as up to 4096 tokens (SGLang's
+    bound); once replies have ended on EOS after a token, one with room for 200 counts as only a
+    little longer. Replies cut short by their own max_tokens say nothing of that."""
+    def newcomer_starts(earlier: list[Sequence]) -> bool:
         sched = make_scheduler(num_blocks=64, max_num_batched_tokens=32)
-        run_until_done(sched, [make_seq(10 + i, 4, max_tokens=10) for i in range(replies_before)])
+        run_until_done(sched, earlier)
         running = make_seq(0, 4, max_tokens=200)
         sched.add(running)
         run_step(sched, sched.schedule())
@@ -223,7 +224,14 @@ def test_a_reply_counts_as_long_as_the_longest_recent_ones_not_its_max_tokens():
         sched.add(newcomer)
         return newcomer in [s.seq for s in sched.schedule().scheduled]
 
-    assert not newcomer_starts(0) and newcomer_starts(3)
+    def ending_on_eos(seq_id: int) -> Sequence:
+        seq = make_seq(seq_id, 4, max_tokens=200)
+        seq.stop_ids = frozenset({99})  # the token every step of `run_step` samples
+        return seq
+
+    assert not newcomer_starts([])
+    assert not newcomer_starts([make_seq(10 + i, 4, max_tokens=10) for i in range(3)])  # "length"
+    assert newcomer_starts([ending_on_eos(10 + i) for i in range(3)])
 
 
 def run_until_done(sched: Scheduler, seqs: list[Sequence]) -> int:
