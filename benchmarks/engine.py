@@ -16,10 +16,10 @@ scheduler runs at once (its running count after each step, mean over the second 
 steps: by then the first requests have finished and their clients sent the next, the closed
 loop's steady state), its preemptions and aggregate generated tok/s. `--schedule-conservativeness
 0,1` also compares admission that keeps room for the running requests' growth (1, the default)
-with admission on a prompt's first chunk alone (0, vLLM's way). Replies are long (half of each request by
-default) so that the pool, not the step's token budget, bounds the running count: with short
-replies a request finishes before the budget's prompt chunks have filled a large pool, and both
-dtypes run what prefill keeps up with.
+with admission on a prompt's first chunk alone (0, vLLM's way). Replies are long (half of each
+request by default) so that the pool, not the step's token budget, bounds the running count: with
+short replies a request finishes before the budget's prompt chunks have filled a large pool, and
+both dtypes run what prefill keeps up with.
 
     python benchmarks/engine.py [--model smollm2-135m-instruct] [--quantization auto] [--repeats 3]
     python benchmarks/engine.py --memory-bound [--kv-cache-memory 768MiB] [--request-tokens 2048] [--steps 3000]

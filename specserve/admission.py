@@ -37,7 +37,7 @@ class NewTokenRatio:
         self.initial = min(1.0, INITIAL_RATIO * conservativeness)
         self.minimum = self.initial * MIN_RATIO_FACTOR
         self.value = self.initial
-        self._replies: deque[int] = deque(maxlen=RECENT_REPLIES)  # lengths of replies that ended
+        self._replies: deque[int] = deque(maxlen=RECENT_REPLIES)  # lengths of replies that ended by themselves
 
     @property
     def reserves(self) -> bool:
