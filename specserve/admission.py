@@ -38,6 +38,7 @@ class NewTokenRatio:
         self.minimum = self.initial * MIN_RATIO_FACTOR
         self.value = self.initial
         self._replies: deque[int] = deque(maxlen=RECENT_REPLIES)  # lengths of replies that ended by themselves
+        self._longest = FIRST_REPLY_TOKENS  # of those (read for every running sequence at every admission)
 
     @property
     def reserves(self) -> bool:
@@ -52,6 +53,7 @@ class NewTokenRatio:
         one cut short by its max_tokens or an abort says nothing of how long replies run."""
         if seq.finish_reason == "stop":
             self._replies.append(len(seq.output_ids))
+            self._longest = max(self._replies)
 
     def preempted(self, running: Iterable[Sequence]) -> None:
         """The pool ran out: expect at least what the survivors have emitted of their expected
@@ -70,5 +72,4 @@ class NewTokenRatio:
     def _reply_tokens(self, seq: Sequence) -> int:
         """How long `seq`'s reply may run: its max_tokens, at most the longest recent reply (while
         it is shorter than that, plus `RESUME_STEPS`)."""
-        longest = max(self._replies, default=FIRST_REPLY_TOKENS)
-        return min(seq.params.max_tokens, max(longest, len(seq.output_ids) + RESUME_STEPS))
+        return min(seq.params.max_tokens, max(self._longest, len(seq.output_ids) + RESUME_STEPS))
