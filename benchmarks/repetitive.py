@@ -7,9 +7,11 @@ The workload (made here from a fixed seed; nothing from Spec-Bench), requests in
   answer is in the chat history, as a client sends it).
 Extraction requests and the turns of the conversations are interleaved, as a service sees them.
 
-Each configuration runs on its own engine (prefix caching off: every request prefills its
-prompt), request by request in turn, so the suffix drafter's cross-request cache holds exactly
-the outputs of the requests before. Conversations carry the no-speculation engine's answers
+Each configuration runs on its own engine, request by request in turn, so the suffix drafter's
+cross-request cache holds exactly the outputs of the requests before. Prefix caching is on, as a
+server has it by default (a conversation's turn prefills only what its history does not share
+with the turn before); `--no-prefix-caching` makes every request prefill its whole prompt, which
+the three configurations then pay alike. Conversations carry the no-speculation engine's answers
 forward; greedy speculation gives the same tokens (checked). A repeat starts every engine
 afresh (an empty cache); the table gives medians over repeats of whole-workload tok/s.
 
@@ -93,10 +95,11 @@ def workload(requests: int, seed: int = 0) -> list[tuple[str, int | None]]:
 
 
 def run_once(model: Path, configs: dict[str, str | None], order: list[tuple[str, int | None]],
-             max_tokens: int, max_tree_tokens: int) -> dict[str, dict]:
+             max_tokens: int, max_tree_tokens: int, prefix_caching: bool) -> dict[str, dict]:
     """The workload through one fresh engine per configuration, request by request in turn."""
-    engines = {name: LLMEngine(model, None, EngineConfig(draft=drafter or "none", enable_prefix_caching=False,
-                                                          kv_cache_memory="512MiB", max_tree_tokens=max_tree_tokens))
+    engines = {name: LLMEngine(model, None, EngineConfig(draft=drafter or "none", kv_cache_memory="512MiB",
+                                                          enable_prefix_caching=prefix_caching,
+                                                          max_tree_tokens=max_tree_tokens))
                for name, drafter in configs.items()}
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     histories: dict[int, list[dict[str, str]]] = {}
@@ -129,14 +132,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tree-tokens", type=int, default=8, help="drafted nodes per step at most (the cap)")
     parser.add_argument("--drafters", default="ngram,suffix", help="compared with no speculation, comma-separated")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engines' prefix caching (on: the server's default)")
     parser.add_argument("--out", default=str(RESULTS / "repetitive"))
     args = parser.parse_args()
 
     model = resolve_model(args.model)
     configs: dict[str, str | None] = {"no-spec": None, **{d: d for d in args.drafters.split(",")}}
     order = workload(args.requests)
-    run_once(model, configs, order[:3], 16, args.max_tree_tokens)  # loads, builds and calibrates once
-    runs = [run_once(model, configs, order, args.max_tokens, args.max_tree_tokens)
+    run_once(model, configs, order[:3], 16, args.max_tree_tokens, args.prefix_caching)  # loads, calibrates once
+    runs = [run_once(model, configs, order, args.max_tokens, args.max_tree_tokens, args.prefix_caching)
             for _ in tqdm(range(args.repeats), desc="repeats")]
     summary = {}
     for name in configs:
@@ -155,13 +160,14 @@ def main() -> None:
     cpu = processor_name()
     result = {"cpu": cpu, "threads": torch.get_num_threads(), "model": args.model, "requests": args.requests,
               "max_tokens": args.max_tokens, "max_tree_tokens": args.max_tree_tokens, "repeats": args.repeats,
-              "summary": summary,
+              "prefix_caching": args.prefix_caching, "summary": summary,
               "suffix_vs_ngram": versus, "runs": runs}
     extraction = sum(conversation is None for _, conversation in order)
     caption = (f"Repetitive workload on {args.model} ({cpu}, {torch.get_num_threads()} threads): {args.requests} "
                f"requests in order ({extraction} invoice field extractions, {args.requests - extraction} code-edit "
                f"turns over {len(TASKS)} conversations), batch 1, greedy, at most {args.max_tokens} new tokens, EOS "
-               f"respected, prefix caching off, adaptive speculation capped at {args.max_tree_tokens} drafted nodes; "
+               f"respected, prefix caching {'on' if args.prefix_caching else 'off'}, adaptive speculation capped at "
+               f"{args.max_tree_tokens} drafted nodes; "
                f"each configuration on a fresh engine per repeat; medians of "
                f"{args.repeats} repeats of whole-workload tok/s.")
     if versus is not None:

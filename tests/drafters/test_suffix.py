@@ -11,7 +11,7 @@ import pytest
 from drafters import build_drafter, parse_spec
 from drafters.base import Commit, DraftRequest, Ended
 from drafters.spec import SUFFIX_CACHE_TOKENS, DrafterSpec
-from drafters.suffix import MIN_PROBABILITY, OutputCache, SuffixDrafter, longest_match
+from drafters.suffix import MIN_PROBABILITY, SEPARATOR, OutputCache, SuffixDrafter, longest_match
 
 
 def propose(drafter, tokens, tree_budget=8, max_depth=8, seq_id=0):
@@ -27,6 +27,26 @@ def test_the_longest_match_finds_every_occurrence_of_the_longest_suffix_seen_bef
     match = longest_match(corpus, [5, 1, 2, 3])
     assert match.length == 3 and match.after.tolist() == [3, 11]  # "1 2 3" before 9 and 7 (not the query)
     assert longest_match(corpus, [6]) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_longest_match_is_the_longest_suffix_followed_by_a_token_with_all_its_occurrences(seed: int):
+    rng = random.Random(seed)
+    for _ in range(300):  # few distinct tokens, separators among them: long and crossing matches
+        vocabulary = rng.randint(1, 4)
+        corpus = np.array([SEPARATOR if rng.random() < 0.1 else rng.randrange(vocabulary)
+                           for _ in range(rng.randint(0, 60))], dtype=np.int32)
+        query = [rng.randrange(vocabulary) for _ in range(rng.randint(1, 40))]
+        max_match = rng.choice([1, 2, 3, 32])
+        expected = None
+        for length in range(min(max_match, len(query)), 0, -1):
+            after = [i for i in range(length, len(corpus)) if corpus[i] != SEPARATOR
+                     and corpus[i - length : i].tolist() == query[-length:]]
+            if after:
+                expected = (length, after)
+                break
+        match = longest_match(corpus, query, max_match)
+        assert (None if match is None else (match.length, match.after.tolist())) == expected
 
 
 def test_a_match_drafts_what_followed_it_no_deeper_than_the_match_is_long():
