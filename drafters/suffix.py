@@ -10,10 +10,10 @@ through them. The drafted tree is the weightiest nodes (each at least `MIN_PROBA
 whole), each continuation no deeper than its match is long, so a long match drafts deep and a
 one-token match one token. No weights to load, and nothing the target computes: token ids alone.
 
-The corpora are int32 arrays searched with numpy: every occurrence of the last token, then
-narrowed a token further back at a time while any occurrence still matches. The cross-request
-cache (`OutputCache`) keeps whole outputs up to a token limit and forgets the least recently
-used (drafted from, or added) first; a request may keep its output out of it
+The corpora are int32 arrays searched with numpy: every occurrence of the last token, each
+compared with the tokens before the sequence's end at once; the longest agreement wins. The
+cross-request cache (`OutputCache`) keeps whole outputs up to a token limit and forgets the least
+recently used (drafted from, or added) first; a request may keep its output out of it
 (`SpeculationParams.share_output`). What its guesses are worth is learned as n-gram lookup
 learns it (`drafters.ngram.GuessScores`), by kind of match: how long, how many occurrences agree.
 """
