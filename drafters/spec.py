@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KNOWN_KINDS = ("none", "ngram", "suffix", "early-exit", "feature", "replay")
-SUFFIX_CACHE_TOKENS = 1 << 18  # the suffix drafter's cross-request cache by default (1 MiB of int32 tokens)
+SUFFIX_CACHE_TOKENS = 1 << 18  # the suffix drafter's cross-request cache by default: 1 MiB of int32 tokens
+# (its array, holding forgotten outputs until packed, and the index of it: up to ~8 MiB, `OutputCache.nbytes`)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from specserve.tree import TokenTree
 SEPARATOR = -1  # between cached outputs (and over forgotten ones): no match crosses it
 MAX_MATCH = 32  # tokens of the sequence's end matched at most
 MAX_OCCURRENCES = 32  # latest occurrences of the match whose continuations make the tree
+INDEX_TAIL = 4096  # cached tokens past the sorted index scanned at a lookup at least before it is redone
+WIDE_MATCH = 64  # occurrences above which a match is narrowed a token at a time before the rest at once
 MIN_PROBABILITY = 0.1  # a drafted node's share of the occurrences at least
 # Kinds of match for scoring guesses: match length (1, 2, 3-4, 5-8, 9-16, 17+) x agreement
 # (one occurrence; several, all followed alike; several that differ).
@@ -52,6 +54,10 @@ class TokenArray:
     @property
     def tokens(self) -> np.ndarray:
         return self._data[: self.size]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._data.nbytes
 
     def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
         end = self.size + len(tokens)
@@ -86,26 +92,39 @@ class Match:
         return out
 
 
-def longest_match(corpus: np.ndarray, query: Sequence[int], max_match: int = MAX_MATCH) -> Match | None:
+def longest_match(corpus: np.ndarray, query: Sequence[int], max_match: int = MAX_MATCH,
+                  occurrences: np.ndarray | None = None) -> Match | None:
     """The longest suffix of `query` (up to `max_match` tokens) that occurs in `corpus` followed by
-    a token, with every occurrence of it (None: not even the last token occurs)."""
+    a token, with every occurrence of it (None: not even the last token occurs). `occurrences`:
+    where the last token is in `corpus`, ascending, if known (else the corpus is scanned for it)."""
     if not len(query) or len(corpus) < 2:
         return None
-    after = np.flatnonzero(corpus[:-1] == query[-1]) + 1
+    if occurrences is None:
+        after = np.flatnonzero(corpus[:-1] == query[-1]) + 1
+    else:
+        after = occurrences[occurrences < len(corpus) - 1]
+        after = after[corpus[after] == query[-1]] + 1  # a place since forgotten holds a separator
     after = after[corpus[after] != SEPARATOR]
     if not len(after):
         return None
-    width = min(max_match, len(query)) - 1  # query tokens before the last that may match too
-    if not width:
-        return Match(1, after, corpus)
-    # Every occurrence's preceding `width` tokens against the query's at once (a few numpy calls
-    # whatever the match's length: narrowing a token at a time cost a long match 30 rounds).
-    before = after[:, None] - np.arange(2, width + 2)
-    wanted = np.asarray(query[-width - 1 : -1][::-1], dtype=corpus.dtype)
+    length, limit = 1, min(max_match, len(query))
+    while len(after) > WIDE_MATCH and length < limit:  # many occurrences: narrow them a token at a time
+        before = after - length - 1
+        keep = before >= 0
+        keep[keep] = corpus[before[keep]] == query[-length - 1]
+        if not keep.any():
+            return Match(length, after, corpus)
+        after, length = after[keep], length + 1
+    if length == limit:
+        return Match(length, after, corpus)
+    # The few left: their preceding tokens against the query's all at once (a few numpy calls
+    # whatever the match's length, where a round per token cost a long match 30 rounds).
+    before = after[:, None] - np.arange(length + 1, limit + 1)
+    wanted = np.asarray(query[-limit:-length][::-1], dtype=corpus.dtype)
     same = (before >= 0) & (corpus[np.maximum(before, 0)] == wanted)
-    extra = np.where(same.all(axis=1), width, same.argmin(axis=1))  # leading agreements each
+    extra = np.where(same.all(axis=1), limit - length, same.argmin(axis=1))  # leading agreements each
     longest = int(extra.max())
-    return Match(longest + 1, after[extra == longest], corpus)
+    return Match(length + longest, after[extra == longest], corpus)
 
 
 class OutputCache:
@@ -121,6 +140,12 @@ class OutputCache:
         self._outputs: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (start, length), LRU first
         self._starts: list[int] = []  # every output's start in the array, ascending (forgotten ones too)
         self._keys: list[int] = []  # and its key
+        # The array's places sorted by token (stably: each token's ascending) up to `_indexed`,
+        # re-sorted once the places after it grow past a quarter of those: a full cache is 2^18
+        # tokens, and scanning it all for the last token took most of a lookup.
+        self._by_token = np.empty(0, dtype=np.int32)
+        self._places = np.empty(0, dtype=np.int32)
+        self._indexed = 0
         self.version = 0  # changes whenever what it holds does
 
     def __len__(self) -> int:
@@ -132,6 +157,11 @@ class OutputCache:
     @property
     def corpus(self) -> np.ndarray:
         return self._array.tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Its memory: the token array (its capacity) and the index of it."""
+        return self._array.capacity_bytes + self._by_token.nbytes + self._places.nbytes
 
     def add(self, key: int, tokens: Sequence[int]) -> None:
         """Keep `tokens` as output `key` (replacing what it held) as the most recently used."""
@@ -154,6 +184,22 @@ class OutputCache:
             self.tokens -= length
             self.version += 1
 
+    def match(self, query: Sequence[int]) -> Match | None:
+        """`longest_match` of `query` in what the cache holds."""
+        if not len(query):
+            return None
+        return longest_match(self.corpus, query, occurrences=self._occurrences(query[-1]))
+
+    def _occurrences(self, token: int) -> np.ndarray:
+        """Where `token` was put in the array, ascending (places since forgotten too)."""
+        corpus = self.corpus
+        if len(corpus) - self._indexed > max(INDEX_TAIL, self._indexed // 4):
+            self._places = np.argsort(corpus, kind="stable").astype(np.int32)
+            self._by_token, self._indexed = corpus[self._places], len(corpus)
+        first, end = np.searchsorted(self._by_token, token, "left"), np.searchsorted(self._by_token, token, "right")
+        tail = np.flatnonzero(corpus[self._indexed :] == token) + self._indexed
+        return np.concatenate([self._places[first:end], tail])
+
     def used(self, positions: np.ndarray) -> None:
         """The outputs holding these corpus positions were drafted from: the most recently used now."""
         for position in set(positions.tolist()):
@@ -162,8 +208,9 @@ class OutputCache:
                 self._outputs.move_to_end(key)
 
     def _append(self, key: int, tokens: Sequence[int]) -> None:
-        self._outputs[key] = (self._array.size, len(tokens))
-        self._starts.append(self._array.size)
+        start = self._array.size
+        self._outputs[key] = (start, len(tokens))
+        self._starts.append(start)
         self._keys.append(key)
         self._array.extend([*tokens, SEPARATOR])
         self.tokens += len(tokens)
@@ -173,6 +220,7 @@ class OutputCache:
                 sorted(self._outputs.items(), key=lambda item: item[1][0])]
         order = list(self._outputs)
         self._array, self._starts, self._keys, self._outputs, self.tokens = TokenArray(), [], [], OrderedDict(), 0
+        self._by_token, self._places, self._indexed = self._by_token[:0], self._places[:0], 0  # none indexed
         for key, tokens in kept:
             self._append(key, tokens)
         for key in order:  # the same recency as before
@@ -283,7 +331,7 @@ class SuffixDrafter(Drafter, Observes, Estimates):
 
     def gauges(self) -> dict[str, float]:
         return {"suffix_cache_tokens": self.cache.tokens, "suffix_cache_outputs": len(self.cache),
-                "suffix_cache_bytes": self.cache.corpus.nbytes,
+                "suffix_cache_bytes": self.cache.nbytes,
                 "suffix_sequence_bytes": sum(s.array.tokens.nbytes for s in list(self._sequences.values()))}
 
     # -- estimates --------------------------------------------------------------------------------
@@ -321,7 +369,7 @@ class SuffixDrafter(Drafter, Observes, Estimates):
             return found
         query = tokens[-MAX_MATCH - 1 :]
         own = longest_match(sequence.array.tokens, query)
-        cached = longest_match(self.cache.corpus, query) if len(self.cache) else None
+        cached = self.cache.match(query) if len(self.cache) else None
         matches = [m for m in (own, cached) if m is not None]
         rows: list[list[int]] = []
         weights: list[float] = []

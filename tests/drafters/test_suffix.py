@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from drafters import build_drafter, parse_spec
+from drafters import build_drafter, parse_spec, suffix
 from drafters.base import Commit, DraftRequest, Ended
 from drafters.spec import SUFFIX_CACHE_TOKENS, DrafterSpec
 from drafters.suffix import MIN_PROBABILITY, SEPARATOR, OutputCache, SuffixDrafter, longest_match
@@ -29,8 +29,11 @@ def test_the_longest_match_finds_every_occurrence_of_the_longest_suffix_seen_bef
     assert longest_match(corpus, [6]) is None
 
 
+@pytest.mark.parametrize("wide", [0, 3, suffix.WIDE_MATCH])  # where narrowing hands over to the rest at once
 @pytest.mark.parametrize("seed", range(4))
-def test_the_longest_match_is_the_longest_suffix_followed_by_a_token_with_all_its_occurrences(seed: int):
+def test_the_longest_match_is_the_longest_suffix_followed_by_a_token_with_all_its_occurrences(seed: int, wide: int,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(suffix, "WIDE_MATCH", wide)
     rng = random.Random(seed)
     for _ in range(300):  # few distinct tokens, separators among them: long and crossing matches
         vocabulary = rng.randint(1, 4)
@@ -147,6 +150,25 @@ def test_the_cache_packs_itself_and_stays_searchable():
     cache.add(7, [1, 2])  # a key kept again replaces what it held
     cache.add(7, [3, 4])
     assert cache.tokens <= 64 and longest_match(cache.corpus, [1]) is None
+
+
+@pytest.mark.parametrize("index_tail", [0, 100, suffix.INDEX_TAIL])  # how often its index is sorted again
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cache_finds_what_a_scan_of_what_it_holds_finds_as_outputs_come_go_and_are_packed(seed: int,
+                                                                                              index_tail: int,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(suffix, "INDEX_TAIL", index_tail)
+    rng = random.Random(seed)
+    cache = OutputCache(max_tokens=80)
+    for step in range(300):
+        if rng.random() < 0.1:
+            cache.forget(rng.randrange(step + 1))
+        else:  # few distinct tokens: long matches, many occurrences; keys come again
+            cache.add(rng.randrange(step + 1), [rng.randrange(6) for _ in range(rng.randint(1, 30))])
+        query = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
+        found, scanned = cache.match(query), longest_match(cache.corpus, query)
+        assert (None if found is None else (found.length, found.after.tolist())) == \
+            (None if scanned is None else (scanned.length, scanned.after.tolist()))
 
 
 def test_guesses_are_scored_so_long_matches_that_agree_are_worth_more():
