@@ -10,8 +10,9 @@ through them. The drafted tree is the weightiest nodes (each at least `MIN_PROBA
 whole), each continuation no deeper than its match is long, so a long match drafts deep and a
 one-token match one token. No weights to load, and nothing the target computes: token ids alone.
 
-The corpora are int32 arrays searched with numpy: every occurrence of the last token, each
-compared with the tokens before the sequence's end at once; the longest agreement wins. The
+The corpora are int32 arrays searched with numpy: every occurrence of the last token (the
+cache keeps its places sorted by token), narrowed a token further back while they are many, the
+few left compared with the sequence's end at once; the longest agreement wins. The
 cross-request cache (`OutputCache`) keeps whole outputs up to a token limit and forgets the least
 recently used (drafted from, or added) first; a request may keep its output out of it
 (`SpeculationParams.share_output`). What its guesses are worth is learned as n-gram lookup
