@@ -22,6 +22,11 @@ def paths(tree) -> set[tuple[int, ...]]:
     return {tuple(tree.path_tokens(leaf)[1:]) for leaf in tree.leaves}
 
 
+def found(match) -> tuple[int, list[int]] | None:
+    """A match as its length and where its occurrences end (None: none)."""
+    return None if match is None else (match.length, match.after.tolist())
+
+
 def test_the_longest_match_finds_every_occurrence_of_the_longest_suffix_seen_before():
     corpus = np.array([1, 2, 3, 9, 4, 2, 3, 8, 1, 2, 3, 7, 1, 2, 3], dtype=np.int32)
     match = longest_match(corpus, [5, 1, 2, 3])
@@ -48,8 +53,7 @@ def test_the_longest_match_is_the_longest_suffix_followed_by_a_token_with_all_it
             if after:
                 expected = (length, after)
                 break
-        match = longest_match(corpus, query, max_match)
-        assert (None if match is None else (match.length, match.after.tolist())) == expected
+        assert found(longest_match(corpus, query, max_match)) == expected
 
 
 def test_a_match_drafts_what_followed_it_no_deeper_than_the_match_is_long():
@@ -166,9 +170,7 @@ def test_the_cache_finds_what_a_scan_of_what_it_holds_finds_as_outputs_come_go_a
         else:  # few distinct tokens: long matches, many occurrences; keys come again
             cache.add(rng.randrange(step + 1), [rng.randrange(6) for _ in range(rng.randint(1, 30))])
         query = [rng.randrange(6) for _ in range(rng.randint(1, 12))]
-        found, scanned = cache.match(query), longest_match(cache.corpus, query)
-        assert (None if found is None else (found.length, found.after.tolist())) == \
-            (None if scanned is None else (scanned.length, scanned.after.tolist()))
+        assert found(cache.match(query)) == found(longest_match(cache.corpus, query))
 
 
 def test_guesses_are_scored_so_long_matches_that_agree_are_worth_more():
