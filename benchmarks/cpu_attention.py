@@ -1,16 +1,17 @@
 """Tree attention on this CPU: our C++ kernel against the torch reference (CPU SDPA), per dtype.
 
 The model's attention on a CPU takes the C++ kernel (`kernels/cpu/tree_attention.cpp`) for fp32
-and bf16: each query row over exactly its visible keys, so a row never depends on the step's
-others. The reference pads requests into SDPA calls, whose blocked loops are faster for long
-chunks but round a row by its neighbours. This measures what that choice costs or saves per
-step kind, both contenders on the same inputs, taking turns (median microseconds after warm-up).
+and bf16, and over int8 caches (`int8`: fp32 queries, as `--kv-cache-dtype int8` runs): each
+query row over exactly its visible keys, so a row never depends on the step's others. The
+reference pads requests into SDPA calls, whose blocked loops are faster for long chunks but
+round a row by its neighbours. This measures what that choice costs or saves per step kind, both
+contenders on the same inputs, taking turns (median microseconds after warm-up).
 
 `--against REV` adds the kernel as it was at a git revision (built beside ours under another
 op namespace) as a third contender in the same process, and checks that its results equal ours
 bit for bit: how a kernel change is measured on a host whose speed drifts between runs.
 
-    python benchmarks/cpu_attention.py [--heads 9 --kv-heads 3 --head-dim 64] [--dtypes float32 bfloat16]
+    python benchmarks/cpu_attention.py [--heads 9 --kv-heads 3 --head-dim 64] [--dtypes float32 bfloat16 int8]
                                        [--against HEAD]
 """
 
@@ -47,12 +48,16 @@ CASES = {
 
 
 def case(context: int, tree: TokenTree, requests: int, args, dtype: torch.dtype, block_size: int = 16):
+    """Queries and caches of `dtype`; int8: fp32 queries over an int8 cache (`--kv-cache-dtype int8`)."""
     blocks = -(-(context + len(tree)) // block_size)
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(requests)]
-    k_cache = torch.randn(requests * blocks, block_size, args.kv_heads, args.head_dim).to(dtype)
+    values = dtype if dtype != torch.int8 else torch.float32
+    k_cache = torch.randn(requests * blocks, block_size, args.kv_heads, args.head_dim).to(values)
     v_cache = torch.randn_like(k_cache)
+    if dtype == torch.int8:
+        k_cache, v_cache = reference.quantize_kv(k_cache), reference.quantize_kv(v_cache)
     meta = AttentionMetadata.build([tree] * requests, [context] * requests, tables, block_size)
-    q = torch.randn(len(tree) * requests, args.heads, args.head_dim).to(dtype)
+    q = torch.randn(len(tree) * requests, args.heads, args.head_dim).to(values)
     return q, k_cache, v_cache, meta
 
 
@@ -100,7 +105,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)  # SmolLM2's: 9 query heads over 3 K/V heads of 64
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
+                        help="int8: fp32 queries over an int8 cache")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--against", metavar="REV", help="also time the kernel as it was at this git revision")
     parser.add_argument("--out", default=str(RESULTS / "cpu-attention"))

@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace specserve {
 
 constexpr int64_t kKvGroup = 32;
@@ -70,6 +74,40 @@ inline void dequantize_kv_row(const int8_t* row, int64_t D, float* out) {
     const float scale = decode_scale(static_cast<uint8_t>(row[D + g]));
     for (int64_t d = 0; d < size; ++d) out[g * size + d] = static_cast<float>(row[g * size + d]) * scale;
   }
+}
+
+// Every scale byte's value (decode_scale), for widening many rows.
+struct ScaleTable {
+  float value[256];
+  ScaleTable() {
+    for (int code = 0; code < 256; ++code) value[code] = decode_scale(static_cast<uint8_t>(code));
+  }
+};
+
+// dequantize_kv_row for `rows` rows (at `slots` of `row_stride`) into consecutive rows of `out`,
+// the same products. Eight codes a vector on AVX2 for heads of 32 k: attention over an int8
+// cache widens every visible row, and the row-by-row loop took three times its scores' time.
+inline void dequantize_kv_rows(const int8_t* base, int64_t row_stride, const int64_t* slots, int64_t rows, int64_t D,
+                               float* out) {
+#if defined(__AVX2__)
+  static const ScaleTable table;
+  if (D % kKvGroup == 0) {
+    const int64_t groups = D / kKvGroup;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int8_t* row = base + slots[i] * row_stride;
+      float* values = out + i * D;
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256 factor = _mm256_set1_ps(table.value[static_cast<uint8_t>(row[D + g])]);
+        for (int64_t d = g * kKvGroup; d < (g + 1) * kKvGroup; d += 8) {
+          const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+          _mm256_storeu_ps(values + d, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), factor));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < rows; ++i) dequantize_kv_row(base + slots[i] * row_stride, D, out + i * D);
 }
 
 }  // namespace specserve

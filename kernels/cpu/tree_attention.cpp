@@ -1,7 +1,7 @@
 // Tree attention over the paged KV cache on the CPU, one query row at a time: fp32 arithmetic over
 // fp32 or bf16 queries and caches, in any pairing (bf16 values widened exactly on load, the result
-// rounded once),
-// or int8 caches (each row's codes times its scale, staged in fp32 per work item).
+// rounded once), or int8 caches (each row's codes times its scale, exact in fp32, widened a run of
+// rows at a time into a buffer the fp32 loops read).
 //
 // Why: a query's result must not depend on the other queries of the step. CPU SDPA tiles its
 // queries and keys by the call's shape, so the same token decoded alone and verified as a tree
@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -60,9 +61,9 @@ void values_of(const float* scores, int64_t stride, const T* v, int64_t row_stri
   constexpr int kHeads = C <= 4 ? 4 : 2;  // accumulators in registers: kHeads * C of 32
   for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
     const int64_t n = std::min<int64_t>(kHeads, heads - h0);
-    __m512 acc[kHeads][C];
+    __m512 acc[kHeads][C];  // onto what `out` holds (zeros, or the sums over earlier keys)
     for (int h = 0; h < kHeads; ++h)
-      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc[h][c] = h < n ? _mm512_loadu_ps(out + (h0 + h) * C * 16 + 16 * c) : _mm512_setzero_ps();
     for (int64_t i = 0; i < keys; ++i) {
       const T* vrow = v + slots[i] * row_stride;
       __m512 vv[C];
@@ -149,9 +150,9 @@ template <int C, int NH, int W, typename T>
 void value_passes(const float* scores, int64_t stride, const T* v, int64_t row_stride, const int64_t* slots,
                   int64_t keys, int64_t h0, float* out) {
   for (int c0 = 0; c0 < 2 * C; c0 += W) {
-    __m256 acc[NH][W];
+    __m256 acc[NH][W];  // onto what `out` holds (zeros, or the sums over earlier keys)
     for (int h = 0; h < NH; ++h)
-      for (int c = 0; c < W; ++c) acc[h][c] = _mm256_setzero_ps();
+      for (int c = 0; c < W; ++c) acc[h][c] = _mm256_loadu_ps(out + (h0 + h) * C * 16 + 8 * (c0 + c));
     for (int64_t i = 0; i < keys; ++i) {
       const T* vrow = v + slots[i] * row_stride + 8 * c0;
       __m256 vv[W];
@@ -184,27 +185,6 @@ void values_of(const float* scores, int64_t stride, const T* v, int64_t row_stri
 #define TREE_ATTENTION_VECTOR 1
 #endif
 
-// False where no vector path fits the head size (the caller's portable loop runs instead).
-template <typename T>
-bool head_scores(int64_t D, const float* q, const T* k, int64_t row_stride, const int64_t* slots, int64_t keys,
-                 int64_t heads, float scale, float* scores, int64_t stride) {
-#if defined(TREE_ATTENTION_VECTOR)
-  if (D == 64) return scores_of<4>(q, k, row_stride, slots, keys, heads, scale, scores, stride), true;
-  if (D == 128) return scores_of<8>(q, k, row_stride, slots, keys, heads, scale, scores, stride), true;
-#endif
-  return false;
-}
-
-template <typename T>
-bool head_values(int64_t D, const float* scores, int64_t stride, const T* v, int64_t row_stride,
-                 const int64_t* slots, int64_t keys, int64_t heads, float* out) {
-#if defined(TREE_ATTENTION_VECTOR)
-  if (D == 64) return values_of<4>(scores, stride, v, row_stride, slots, keys, heads, out), true;
-  if (D == 128) return values_of<8>(scores, stride, v, row_stride, slots, keys, heads, out), true;
-#endif
-  return false;
-}
-
 // n values of T as fp32 (an item's query rows, or one K or V row on the portable path): the
 // values themselves for fp32, else widened (exactly) into `staged`.
 template <typename T>
@@ -218,12 +198,57 @@ const float* as_float(const T* rows, int64_t n, std::vector<float>& staged) {
   }
 }
 
+// scores[h * stride + i] = scale * (head h's query . key row i), for `keys` rows at `slots` of
+// `row_stride`: the vector path for head sizes it has, else the same sums in portable loops.
+template <typename T>
+void head_scores(int64_t D, const float* q, const T* k, int64_t row_stride, const int64_t* slots, int64_t keys,
+                 int64_t heads, float scale, float* scores, int64_t stride, std::vector<float>& staged_row) {
+#if defined(TREE_ATTENTION_VECTOR)
+  if (D == 64) return scores_of<4>(q, k, row_stride, slots, keys, heads, scale, scores, stride);
+  if (D == 128) return scores_of<8>(q, k, row_stride, slots, keys, heads, scale, scores, stride);
+#endif
+  for (int64_t i = 0; i < keys; ++i) {
+    const float* krow = as_float(k + slots[i] * row_stride, D, staged_row);
+    for (int64_t h = 0; h < heads; ++h) scores[h * stride + i] = specserve::fixed_order_dot(q + h * D, krow, D) * scale;
+  }
+}
+
+// out[h] += sum over the `keys` rows, in order, of head h's weight times the value row: what
+// `out` holds comes first in every lane's sum (zeros, or the rows before), so rows taken a run
+// at a time give the sums of all at once.
+template <typename T>
+void head_values(int64_t D, const float* scores, int64_t stride, const T* v, int64_t row_stride,
+                 const int64_t* slots, int64_t keys, int64_t heads, float* out, std::vector<float>& staged_row) {
+#if defined(TREE_ATTENTION_VECTOR)
+  if (D == 64) return values_of<4>(scores, stride, v, row_stride, slots, keys, heads, out);
+  if (D == 128) return values_of<8>(scores, stride, v, row_stride, slots, keys, heads, out);
+#endif
+  for (int64_t i = 0; i < keys; ++i) {
+    const float* vrow = as_float(v + slots[i] * row_stride, D, staged_row);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float weight = scores[h * stride + i];
+      float* orow = out + h * D;
+      for (int64_t d = 0; d < D; ++d) orow[d] = std::fma(weight, vrow[d], orow[d]);
+    }
+  }
+}
+
+// Rows of an int8 cache widened at a time (16 KiB of fp32 for heads of 64), and their slots in
+// the staging buffer: 0, 1, ...
+constexpr int64_t kStagedRows = 64;
+constexpr auto kInOrder = [] {
+  std::array<int64_t, kStagedRows> slots{};
+  for (int64_t i = 0; i < kStagedRows; ++i) slots[i] = i;
+  return slots;
+}();
+const int64_t* const in_order = kInOrder.data();
+
 // The int8 rows at `slots` as fp32 values into rows 0.. of `staged`: the fp32 paths then run
-// over them unchanged.
+// over them unchanged (at the slots `in_order`).
 void dequantize_rows(const int8_t* base, int64_t row_stride, const int64_t* slots, int64_t keys, int64_t D,
                      std::vector<float>& staged) {
   staged.resize(keys * D);
-  for (int64_t i = 0; i < keys; ++i) specserve::dequantize_kv_row(base + slots[i] * row_stride, D, staged.data() + i * D);
+  specserve::dequantize_kv_rows(base, row_stride, slots, keys, D, staged.data());
 }
 
 // The largest of n scores, eight lanes at a time (a maximum does not depend on the order it is
@@ -260,6 +285,38 @@ inline void key_order_sums(const float* scores, int64_t stride, int64_t n, int64
   }
 }
 
+// The work items [bounds[r], bounds[r + 1]) of each of `ranges` threads: contiguous runs of about
+// equal work, a token's items costing its visible keys (at most its context and nodes so far)
+// plus a fixed share. Even runs of items gave the thread with a prompt's later rows most of the
+// work: 3/4 of a fresh 1024-token prompt's. Which thread runs an item never changes its result.
+constexpr int64_t kItemKeys = 32;  // an item's fixed cost (its slots, softmax, output), in keys
+
+std::vector<int64_t> balanced_ranges(const int64_t* starts, const int64_t* context, const std::vector<int64_t>& request,
+                                     int64_t items_per_token, int64_t ranges) {
+  const int64_t tokens = static_cast<int64_t>(request.size());
+  std::vector<int64_t> until(tokens + 1, 0);  // the cost of tokens [0, t)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t b = request[t];
+    until[t + 1] = until[t] + context[b] + (t - starts[b]) + 1 + kItemKeys;
+  }
+  std::vector<int64_t> bounds(ranges + 1, tokens * items_per_token);
+  bounds[0] = 0;
+  int64_t t = 0;
+  for (int64_t r = 1; r < ranges; ++r) {
+    // Range r starts at the first item whose work starts at or after r / ranges of the total
+    // (items of one token cost alike, each 1 / items_per_token of it).
+    const double target = static_cast<double>(until[tokens]) * r / ranges;
+    while (t < tokens && until[t + 1] <= target) ++t;
+    int64_t item = t * items_per_token;
+    if (t < tokens) {
+      const double share = (target - until[t]) / static_cast<double>(until[t + 1] - until[t]);
+      item += std::min(items_per_token, static_cast<int64_t>(std::ceil(share * items_per_token)));
+    }
+    bounds[r] = std::max(bounds[r - 1], std::min(item, tokens * items_per_token));
+  }
+  return bounds;
+}
+
 // T: the queries' (and output's) type; C: the caches' (fp32, bf16, or int8 rows with their scales).
 template <typename T, typename C>
 void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& starts,
@@ -290,13 +347,14 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::min(group, std::max<int64_t>(1, (2 * threads + tokens * Hkv - 1) / (tokens * Hkv)));
   const int64_t per_part = (group + parts - 1) / parts;
-  at::parallel_for(0, tokens * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = balanced_ranges(sp, cp, request, Hkv * parts, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t first_range, int64_t last_range) {
+    const int64_t begin = bounds[first_range], end = bounds[last_range];  // ranges side by side: one run
     std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its items
     std::vector<float> scores;  // [heads of the part][keys + kExpPad]
     std::vector<float> staged_q, staged_row, sums;  // fp32 copies where T is not fp32
     std::vector<float> totals;  // each head's sum of its softmax weights
-    std::vector<float> staged_kv;  // int8 caches: the item's visible K (then V) rows in fp32
-    std::vector<int64_t> in_order;  // 0, 1, ...: the staged rows' slots
+    std::vector<float> staged_kv;  // int8 caches: a run of the item's visible K (then V) rows in fp32
     int64_t slots_of = -1, context_of = -1;  // the token whose keys `slots` holds; the request of its context part
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / (Hkv * parts), kv_head = item / parts % Hkv, part = item % parts;
@@ -327,28 +385,23 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
       const int64_t keys = static_cast<int64_t>(slots.size()), stride = keys + specserve::kExpPad;
       scores.resize(heads * stride);
       const float* qrows = as_float(qp + (t * Hq + first) * D, heads * D, staged_q);
-      // The K or V rows the item reads: in the cache (fp32, bf16), or staged dequantized (int8),
-      // found at `key_slots` rows of `row_stride`
-      using Row = std::conditional_t<kInt8, float, C>;
-      auto rows_of = [&](const C* cache) -> const Row* {
+      // The K (then V) rows the item reads: in the cache (fp32, bf16), or (int8) widened into fp32
+      // kStagedRows at a time, so they are read from L1 (all of a long context's at once went
+      // through the L2 both ways and made a decode over an int8 cache twice as slow as over bf16).
+      auto over_rows = [&](const C* cache, auto&& run) {
         if constexpr (kInt8) {
-          dequantize_rows(cache + kv_head * W, Hkv * W, slots.data(), keys, D, staged_kv);
-          return staged_kv.data();
+          for (int64_t i0 = 0; i0 < keys; i0 += kStagedRows) {
+            const int64_t n = std::min(kStagedRows, keys - i0);
+            dequantize_rows(cache + kv_head * W, Hkv * W, slots.data() + i0, n, D, staged_kv);
+            run(staged_kv.data(), D, in_order, i0, n);
+          }
         } else {
-          return cache + kv_head * D;
+          run(cache + kv_head * D, Hkv * W, slots.data(), 0, keys);
         }
       };
-      for (int64_t i = static_cast<int64_t>(in_order.size()); kInt8 && i < keys; ++i) in_order.push_back(i);
-      const int64_t* key_slots = kInt8 ? in_order.data() : slots.data();
-      const int64_t row_stride = kInt8 ? D : Hkv * W;
-      const Row* kbase = rows_of(kp);
-      if (!head_scores(D, qrows, kbase, row_stride, key_slots, keys, heads, scale, scores.data(), stride)) {
-        for (int64_t i = 0; i < keys; ++i) {
-          const float* krow = as_float(kbase + key_slots[i] * row_stride, D, staged_row);
-          for (int64_t h = 0; h < heads; ++h)
-            scores[h * stride + i] = specserve::fixed_order_dot(qrows + h * D, krow, D) * scale;
-        }
-      }
+      over_rows(kp, [&](const auto* rows, int64_t row_stride, const int64_t* key_slots, int64_t i0, int64_t n) {
+        head_scores(D, qrows, rows, row_stride, key_slots, n, heads, scale, scores.data() + i0, stride, staged_row);
+      });
       for (int64_t h = 0; h < heads; ++h) {
         float* s = scores.data() + h * stride;
         const float best = largest(s, keys);
@@ -363,18 +416,10 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
         sums.resize(heads * D);
         orows = sums.data();
       }
-      const Row* vbase = rows_of(vp);  // (int8: over the staged K rows, no longer read)
-      if (!head_values(D, scores.data(), stride, vbase, row_stride, key_slots, keys, heads, orows)) {
-        std::fill(orows, orows + heads * D, 0.f);
-        for (int64_t i = 0; i < keys; ++i) {
-          const float* vrow = as_float(vbase + key_slots[i] * row_stride, D, staged_row);
-          for (int64_t h = 0; h < heads; ++h) {
-            const float weight = scores[h * stride + i];
-            float* orow = orows + h * D;
-            for (int64_t d = 0; d < D; ++d) orow[d] = std::fma(weight, vrow[d], orow[d]);
-          }
-        }
-      }
+      std::fill(orows, orows + heads * D, 0.f);
+      over_rows(vp, [&](const auto* rows, int64_t row_stride, const int64_t* key_slots, int64_t i0, int64_t n) {
+        head_values(D, scores.data() + i0, stride, rows, row_stride, key_slots, n, heads, orows, staged_row);
+      });
       totals.assign(heads, 0.f);
       key_order_sums(scores.data(), stride, keys, heads, totals.data());
       for (int64_t h = 0; h < heads; ++h) {
