@@ -87,15 +87,19 @@ def kernel_at(revision: str) -> Callable[..., torch.Tensor]:
 
 
 def in_turns(calls: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:
-    """Median microseconds per call, the contenders alternating call by call."""
+    """Median microseconds per call, the contenders alternating call by call, their order rotated
+    every repeat: each follows every other as often. In a fixed order the call after SDPA (whose
+    padded buffers empty the caches) always ran cold and the one after it found the same K/V
+    warm, which made a kernel 1.1-1.6x slower than itself on decodes."""
     for call in calls.values():
         for _ in range(warmup):
             call()
+    names = list(calls)
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
             start = time.perf_counter()
-            call()
+            calls[name]()
             times[name].append(time.perf_counter() - start)
     return {name: 1e6 * statistics.median(t) for name, t in times.items()}
 

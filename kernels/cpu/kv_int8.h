@@ -85,8 +85,9 @@ struct ScaleTable {
 };
 
 // dequantize_kv_row for `rows` rows (at `slots` of `row_stride`) into consecutive rows of `out`,
-// the same products. Eight codes a vector on AVX2 for heads of 32 k: attention over an int8
-// cache widens every visible row, and the row-by-row loop took three times its scores' time.
+// the same products; on AVX2, eight codes a vector where the head size is a multiple of 32.
+// Attention over an int8 cache widens every visible row: row by row, with each scale decoded
+// from its bits, that took three times the scores' own time.
 inline void dequantize_kv_rows(const int8_t* base, int64_t row_stride, const int64_t* slots, int64_t rows, int64_t D,
                                float* out) {
 #if defined(__AVX2__)
