@@ -243,14 +243,6 @@ constexpr auto kInOrder = [] {
 }();
 const int64_t* const in_order = kInOrder.data();
 
-// The int8 rows at `slots` as fp32 values into rows 0.. of `staged`: the fp32 paths then run
-// over them unchanged (at the slots `in_order`).
-void dequantize_rows(const int8_t* base, int64_t row_stride, const int64_t* slots, int64_t keys, int64_t D,
-                     std::vector<float>& staged) {
-  staged.resize(keys * D);
-  specserve::dequantize_kv_rows(base, row_stride, slots, keys, D, staged.data());
-}
-
 // The largest of n scores, eight lanes at a time (a maximum does not depend on the order it is
 // taken in; one running maximum waited on every compare).
 inline float largest(const float* s, int64_t n) {
@@ -386,13 +378,14 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
       scores.resize(heads * stride);
       const float* qrows = as_float(qp + (t * Hq + first) * D, heads * D, staged_q);
       // The K (then V) rows the item reads: in the cache (fp32, bf16), or (int8) widened into fp32
-      // kStagedRows at a time, so they are read from L1 (all of a long context's at once went
-      // through the L2 both ways and made a decode over an int8 cache twice as slow as over bf16).
+      // kStagedRows at a time (a buffer that stays in L1, where a whole long context's did not),
+      // which the fp32 paths then read unchanged at the slots `in_order`.
       auto over_rows = [&](const C* cache, auto&& run) {
         if constexpr (kInt8) {
           for (int64_t i0 = 0; i0 < keys; i0 += kStagedRows) {
             const int64_t n = std::min(kStagedRows, keys - i0);
-            dequantize_rows(cache + kv_head * W, Hkv * W, slots.data() + i0, n, D, staged_kv);
+            staged_kv.resize(n * D);
+            specserve::dequantize_kv_rows(cache + kv_head * W, Hkv * W, slots.data() + i0, n, D, staged_kv.data());
             run(staged_kv.data(), D, in_order, i0, n);
           }
         } else {
