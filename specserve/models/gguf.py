@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kernels import native
+from specserve.models.gguf_file import GGUFTensor, read_tensors
 
 QK_K = 256  # elements per K-quant super-block
 TILED_ISAS = ("avx512-vnni", "avx2+vnni", "avx2")  # kernel builds with vector code for the tiled layouts
@@ -139,13 +140,14 @@ class BlockWeight(QuantizedRows):
         return torch.cat([spans & 0x0F, spans >> 4], dim=2).view(codes.shape[0], -1)
 
     def dequantize(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
-        """fp32 weights of `rows`: `scale * q + min` rounded once, exactly as `gguf` computes them."""
-        q = self.values(rows).double()
-        scale = self.scale[rows].double().repeat_interleave(self.group, dim=1)
+        """fp32 weights of `rows`: `scale * q + min` rounded once, exactly as `gguf` computes them
+        (an fp16 scale times a code of at most 8 bits is exact in fp32: only the sum rounds)."""
+        q = self.values(rows).float()
+        q = q.view(q.shape[0], -1, self.group)
+        scale = self.scale[rows].unsqueeze(2)
         if self.zero_point:  # as gguf multiplies: zeros keep the scale's sign
-            return (scale * (q - self.zero_point)).float()
-        min_ = self.min[rows].double().repeat_interleave(self.group, dim=1)
-        return torch.addcmul(min_, q, scale).float()  # exact in fp64, then one rounding
+            return q.sub_(self.zero_point).mul_(scale).flatten(1)
+        return q.mul_(scale).add_(self.min[rows].unsqueeze(2)).flatten(1)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bits: int, group: int = 32) -> BlockWeight:
@@ -242,16 +244,17 @@ class SuperBlockWeight(QuantizedRows):
         return q.view(codes.shape[0], -1)
 
     def dequantize(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
-        """fp32 weights of `rows`, exactly as `gguf` computes them (exact in fp64, one rounding)."""
-        q = self.values(rows).double()
+        """fp32 weights of `rows`, exactly as `gguf` computes them: fp16 d times an 8-bit sub-block
+        scale, times a code of at most 6 bits, is exact in fp32 (under 24 significant bits), so
+        only Q4_K's subtraction of the minimum rounds."""
+        q = self.values(rows).float()
+        q = q.view(q.shape[0], -1, self.group)
         per_sub = QK_K // self.group
-        d = self.d[rows].double().repeat_interleave(per_sub, dim=1)
-        scale = (d * self.sub_scale[rows].double()).repeat_interleave(self.group, dim=1)
+        scale = (self.d[rows].repeat_interleave(per_sub, dim=1) * self.sub_scale[rows].float()).unsqueeze(2)
         if self.bits == 6:
-            return (scale * (q - 32)).float()
-        dmin = self.dmin[rows].double().repeat_interleave(per_sub, dim=1)
-        min_ = (dmin * self.sub_min[rows].double()).repeat_interleave(self.group, dim=1)
-        return (scale * q - min_).float()
+            return q.sub_(32).mul_(scale).flatten(1)
+        min_ = self.dmin[rows].repeat_interleave(per_sub, dim=1) * self.sub_min[rows].float()
+        return q.mul_(scale).sub_(min_.unsqueeze(2)).flatten(1)
 
 
 def pack_nibbles(q: np.ndarray, span: int = 32) -> np.ndarray:
@@ -410,16 +413,20 @@ def decode_blocks(raw: np.ndarray, type_name: str, rows: int) -> BlockWeight | S
     return decode(raw, rows) if decode is not None else None
 
 
-def block_weight(tensor) -> BlockWeight | SuperBlockWeight | None:
-    """A 2-D `gguf.ReaderTensor` as a BlockWeight, or None when its type is not one of DECODERS."""
+def block_weight(tensor: GGUFTensor) -> BlockWeight | SuperBlockWeight | None:
+    """A 2-D GGUF tensor as a BlockWeight, or None when its type is not one of DECODERS."""
     return decode_blocks(tensor.data, tensor.tensor_type.name, int(tensor.shape[-1]))  # dims innermost first
 
 
-def dequantized(tensor) -> torch.Tensor:
-    """Any GGUF tensor as fp32, by `gguf`'s own dequantization, in Hugging Face's [out, in] shape."""
+def dequantized(tensor: GGUFTensor) -> torch.Tensor:
+    """Any GGUF tensor as fp32, in Hugging Face's [out, in] shape: `gguf`'s own dequantization,
+    bit for bit (our decoders where they take the format: several times faster)."""
     from gguf.quants import dequantize
 
     shape = [int(d) for d in reversed(tensor.shape)]
+    blocks = block_weight(tensor) if len(shape) == 2 else None
+    if blocks is not None:
+        return blocks.dequantize()
     return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32)).view(shape)  # a copy
 
 
@@ -450,12 +457,9 @@ class GGUFWeights:
     format allows, else fp32; Llama q/k rows back in Hugging Face order."""
 
     def __init__(self, path: Path, *, num_heads: int, num_kv_heads: int, llama_rope_order: bool):
-        from gguf import GGUFReader
-
         self.path = path
-        self.reader = GGUFReader(path)
         self.tensors = {}
-        for tensor in self.reader.tensors:
+        for tensor in read_tensors(path):
             name = hf_name(tensor.name)
             if name is not None:
                 self.tensors[name] = tensor
