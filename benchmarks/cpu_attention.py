@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
                         help="int8: fp32 queries over an int8 cache")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls of each contender before timing")
     parser.add_argument("--against", metavar="REV", help="also time the kernel as it was at this git revision")
     parser.add_argument("--out", default=str(RESULTS / "cpu-attention"))
     args = parser.parse_args()
@@ -128,7 +129,7 @@ def main() -> None:
                 calls[args.against] = partial(earlier, *inputs)
                 if not torch.equal(calls["ours"](), calls[args.against]()):
                     raise SystemExit(f"{name}, {dtype_name}: ours and {args.against}'s kernel give different results")
-            us = in_turns(calls, args.repeats)
+            us = in_turns(calls, args.repeats, args.warmup)
             difference = (calls["ours"]().float() - calls["sdpa"]().float()).abs().max().item()
             record = {"dtype": dtype_name, "case": name, "context": context, "tree": len(tree), "requests": requests,
                       "ours_us": us["ours"], "sdpa_us": us["sdpa"], "max_abs_difference": difference}
@@ -140,7 +141,8 @@ def main() -> None:
             rows.append(row)
     machine = processor_name()
     caption = (f"Tree attention per layer on `{machine}`, {torch.get_num_threads()} threads, {args.heads} query heads "
-               f"over {args.kv_heads} K/V heads of {args.head_dim}, blocks of 16; median us of {args.repeats} calls, "
+               f"over {args.kv_heads} K/V heads of {args.head_dim}, blocks of 16; median us of {args.repeats} calls "
+               f"after {args.warmup} untimed, "
                "the contenders alternating. ours: the C++ kernel (each row alone); sdpa: the torch reference.")
     columns = ["dtype", "step", "ours us", "sdpa us", "ours / sdpa"]
     if earlier is not None:

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_attention.py"
 
 def test_cpu_attention_benchmark_writes_json_and_markdown(tmp_path):
     out = tmp_path / "cpu-attention"
-    subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--out", str(out)],
+    subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--warmup", "0", "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)
     result = json.loads(Path(f"{out}.json").read_text())
     records = result["records"]
@@ -29,8 +29,8 @@ def test_against_a_revision_times_that_revision_s_kernel_beside_ours(tmp_path):
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=SCRIPT.parent, capture_output=True).returncode != 0:
         pytest.skip("needs the repository's git history")
     out = tmp_path / "cpu-attention"
-    subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--dtypes", "float32", "--against", "HEAD",
-                    "--out", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--warmup", "0", "--dtypes", "float32",
+                    "--against", "HEAD", "--out", str(out)], check=True, capture_output=True, text=True, timeout=600)
     result = json.loads(Path(f"{out}.json").read_text())
     assert result["against"] == "HEAD" and len(result["records"]) == 6
     assert all(record["against_us"] > 0 for record in result["records"])

@@ -161,7 +161,7 @@ def test_greedy_chain_speculation_equals_plain_decoding_in_bf16_too(smollm2_path
                     f"the same row alone, so no chain can match one-token decodes bit for bit here")
 
     def replies(speculation: dict) -> list[list[int]]:  # greedy, each prompt alone
-        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, speculation=speculation)
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculation=speculation)
         return [list(o.outputs[0].token_ids) for o in run_to_completion(engine, chosen, params, concurrency=1)[0]]
 
     plain = replies({"enabled": False})

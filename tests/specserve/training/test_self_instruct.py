@@ -106,8 +106,7 @@ def test_written_prompts_resume_from_their_cache_and_extend_it(smollm2_path, spe
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
 
-    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", quantization="none",
-                                                             kv_cache_memory="256MiB"))
+    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", kv_cache_memory="256MiB"))  # as served
     cache = tmp_path / "prompts.jsonl"
     first, stats = write_prompts(engine, 6, cache, spec_bench, progress=False)
     assert len(first) == 6 == stats["prompts"] == sum(stats["topics"].values())
@@ -124,8 +123,7 @@ def test_a_batch_sends_no_more_candidates_once_enough_are_kept(smollm2_path, spe
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
 
-    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", quantization="none",
-                                                             kv_cache_memory="256MiB"))
+    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", kv_cache_memory="256MiB"))  # as served
     cache = tmp_path / "prompts.jsonl"
     chosen, _ = write_prompts(engine, 3, cache, spec_bench, max_in_flight=2, progress=False)
     # A batch is 16 candidates (at least twice those still needed): once 3 are kept, only the 2 in
@@ -138,8 +136,7 @@ def test_follow_ups_continue_each_exchange_in_turn_and_resume(smollm2_path, spec
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
 
-    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", quantization="none",
-                                                             kv_cache_memory="256MiB"))
+    engine = LLMEngine(smollm2_path, "float32", EngineConfig(speculation="off", kv_cache_memory="256MiB"))  # as served
     exchanges = [Exchange("math", "What is 12 times 7?", "12 times 7 is 84."),
                  Exchange("writing", "Write a haiku about rain.",
                           "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky")]
