@@ -420,7 +420,7 @@ def block_weight(tensor: GGUFTensor) -> BlockWeight | SuperBlockWeight | None:
 
 def dequantized(tensor: GGUFTensor) -> torch.Tensor:
     """Any GGUF tensor as fp32, in Hugging Face's [out, in] shape: `gguf`'s own dequantization,
-    bit for bit (our decoders where they take the format: several times faster)."""
+    bit for bit (through our decoders where they take the format: 1.6x faster on Qwen2.5-1.5B)."""
     from gguf.quants import dequantize
 
     shape = [int(d) for d in reversed(tensor.shape)]
