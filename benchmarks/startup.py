@@ -1,7 +1,7 @@
 """How long `specserve serve` takes to answer `/health`: the first start (weights read from the
 GGUF and prepared for this CPU's kernels, the step cost calibrated) and a later one (prepared
 weights memory-mapped, the calibration reused), with this tree and, with `--against REV`, the
-code of a git revision (a temporary worktree), taking turns in one run.
+code of a git revision (checked out beside the repository, `verify.worktree`), taking turns in one run.
 
 Every start gets a cache directory of its own holding links to the user cache's pulled models
 and built kernels (built before the clock starts), so a first start prepares and calibrates
@@ -22,34 +22,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from peers import Server, started
 from report import write_report
 from tqdm import tqdm
+from verify import worktree
 
 from specserve.machine import processor_name
 from specserve.pull import CACHE_ENV, cache_dir, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
-
-
-@contextmanager
-def checkout(revision: str | None) -> Iterator[Path]:
-    """This tree (None), or `revision` in a temporary git worktree."""
-    if revision is None:
-        yield ROOT
-        return
-    folder = Path(tempfile.mkdtemp(prefix="startup-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(folder), revision], cwd=ROOT, check=True,
-                   capture_output=True)
-    try:
-        yield folder
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT, capture_output=True)
 
 
 def fresh_cache(root: Path) -> Path:
@@ -95,11 +79,10 @@ def main() -> None:
         resolve_model(name)  # pulled before anything is timed
     names = ["ours"] + ([args.against] if args.against else [])
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    with checkout(None) as ours, checkout(args.against) as theirs:
-        codes = {"ours": ours, args.against: theirs}
-        for repeat in tqdm(range(args.repeats), desc="startup", unit="round"):
-            for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # each goes first in turn
-                times[name].append(starts(codes[name], args))
+    codes = {"ours": ROOT, **({args.against: worktree(args.against)} if args.against else {})}
+    for repeat in tqdm(range(args.repeats), desc="startup", unit="round"):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # each goes first in turn
+            times[name].append(starts(codes[name], args))
     records = [{"code": name, "first_s": statistics.median(t[0] for t in times[name]),
                 "later_s": statistics.median(t[1] for t in times[name]), "runs": times[name]} for name in names]
     columns = ["code", "first start s", "later start s"]
