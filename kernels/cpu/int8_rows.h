@@ -42,6 +42,26 @@ inline float quantize_int8_block(const float* x, int64_t n, int8_t* q) {
   return d;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// The tiled kernels' inner step: each of R rows' products with one code vector (16 outputs' codes
+// of inputs 4k..4k+3 per lane, k = `word`) added to the row's sum `slot`. Few rows keep two sums
+// each so that dependent dpbusds do not queue; from four rows on, the rows are the independent
+// chains. Integer sums: exact in any order, so the split never changes a result.
+template <int R>
+constexpr int sums_per_row() { return R >= 4 ? 1 : 2; }
+
+template <int R>
+inline void add_products(__m512i (*dot)[sums_per_row<R>()], int slot, __m512i w, const int8_t* x, int64_t K, int word) {
+  for (int r = 0; r < R; ++r)
+    dot[r][slot] = _mm512_dpbusd_epi32(dot[r][slot], w, _mm512_set1_epi32(reinterpret_cast<const int32_t*>(x + r * K)[word]));
+}
+
+template <int R>
+inline __m512i row_sum(const __m512i (*dot)[sums_per_row<R>()], int r) {
+  return sums_per_row<R>() == 1 ? dot[r][0] : _mm512_add_epi32(dot[r][0], dot[r][sums_per_row<R>() - 1]);
+}
+#endif
+
 template <int R, typename F>
 inline void row_tile_rest(int64_t rest, int64_t m, F& f) {
   if constexpr (R > 0) {
