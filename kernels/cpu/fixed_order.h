@@ -23,6 +23,27 @@ inline float fixed_order_sum(__m512 acc) {
   __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
   return _mm_cvtss_f32(s1);
 }
+
+// fixed_order_sum of 16 registers at once (`acc[i]`: key i's lanes), lane i of the result key i's:
+// the same pairs added in the same order, transposed so that each add serves several keys.
+inline __m512 fixed_order_sums16(const __m512* acc) {
+  __m512 s8[8];  // keys 2p | 2p + 1 (256 bits each): lanes j + (j + 8)
+  for (int p = 0; p < 8; ++p)
+    s8[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0x44),
+                          _mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0xEE));
+  __m512 s4[4];  // keys 4p .. 4p + 3 (128 bits each): lanes j + (j + 4)
+  for (int p = 0; p < 4; ++p)
+    s4[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * p], s8[2 * p + 1], 0x88),
+                          _mm512_shuffle_f32x4(s8[2 * p], s8[2 * p + 1], 0xDD));
+  __m512 s2[2];  // 128-bit lane l: keys 8p + l (two lanes), then 8p + 4 + l: lanes j + (j + 2)
+  for (int p = 0; p < 2; ++p)
+    s2[p] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * p], s4[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s4[2 * p], s4[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // 128-bit lane l: keys l, 4 + l, 8 + l, 12 + l: lanes 0 + 1
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s1);
+}
 #elif defined(__AVX2__)
 // The same reduction of 16 lanes held as lanes 0-7 and lanes 8-15.
 inline float fixed_order_sum(__m256 lo, __m256 hi) {

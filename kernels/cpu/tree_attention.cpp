@@ -38,12 +38,28 @@ inline __m512 load16(const BFloat16* p) {  // bf16 is fp32's upper half: widenin
 }
 
 // Vector paths for head sizes of C * 16: each head's scores and sums take exactly the steps of
-// the portable loops below (fixed_order_dot; fma over keys in order), with a key's K or V row
-// loaded once for all heads of the part and the sums kept in registers.
+// the portable loops below (fixed_order_dot; fma over keys in order), with the sums kept in
+// registers (and a V row, or a key's K row past the last 16, loaded once for all heads of the part).
 template <int C, typename T>
 void scores_of(const float* q, const T* k, int64_t row_stride, const int64_t* slots, int64_t keys,
                int64_t heads, float scale, float* scores, int64_t stride) {
-  for (int64_t i = 0; i < keys; ++i) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  // Sixteen keys at a time, their sums reduced together (one key at a time, the horizontal adds
+  // were most of the scores' time).
+  for (; i + 16 <= keys; i += 16) {
+    for (int64_t h = 0; h < heads; ++h) {
+      __m512 qh[C], acc[16];
+      for (int c = 0; c < C; ++c) qh[c] = _mm512_loadu_ps(q + h * C * 16 + 16 * c);
+      for (int r = 0; r < 16; ++r) {
+        const T* krow = k + slots[i + r] * row_stride;
+        acc[r] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) acc[r] = _mm512_fmadd_ps(qh[c], load16(krow + 16 * c), acc[r]);
+      }
+      _mm512_storeu_ps(scores + h * stride + i, _mm512_mul_ps(specserve::fixed_order_sums16(acc), factor));
+    }
+  }
+  for (; i < keys; ++i) {
     const T* krow = k + slots[i] * row_stride;
     __m512 kv[C];
     for (int c = 0; c < C; ++c) kv[c] = load16(krow + 16 * c);
