@@ -22,8 +22,8 @@ from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.tree import TokenTree
 
 CALIBRATION_CONTEXT = 128
-# Timed passes over all sizes (after one warm-up pass); the fastest per size. A neighbour's load
-# only ever slows a forward, and on a busy VM the median of three still put bumps into the
+# Timed passes over the sizes (after one warm-up forward); the fastest per size. A neighbour's
+# load only ever slows a forward, and on a busy VM the median of three still put bumps into the
 # curve: where a size measured slower than the next, the non-decreasing fit made the rows
 # between them free, and the policy drafted nodes there that cost what any row does.
 REPEATS = 3
@@ -41,26 +41,29 @@ def calibration_sizes(max_tokens: int) -> list[int]:
 
 def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress: bool = False) -> ForwardCost:
     """Time forwards of `calibration_sizes(max_tokens)` new tokens after a short context, in
-    scratch blocks given back afterwards: a warm-up pass over every size, then `REPEATS` timed
-    passes (the fastest per size). Passes, not one size after another: a machine that slows
-    for a few seconds then slows one pass, not a few neighbouring sizes, which would put a false
-    step into the curve."""
+    scratch blocks given back afterwards: after one warm-up forward, `REPEATS` timed passes (the
+    fastest per size). Passes, not one size after another: a machine that slows for a few
+    seconds then slows one pass, not a few neighbouring sizes, which would put a false step
+    into the curve."""
     sizes = calibration_sizes(max_tokens)
     capacity = blocks.num_free_blocks * blocks.block_size
     context = min(CALIBRATION_CONTEXT, max(0, capacity - sizes[-1]))
     sizes = [n for n in sizes if context + n <= capacity] or [1]
+    # One warm-up forward, of the largest size: the timed passes then find every buffer and
+    # weight layout a forward needs built, and the fastest of three leaves out whatever a
+    # shape's first call still costs (a whole warm-up pass was a quarter of the calibration).
+    plan = [(sizes[-1], False)] + [(n, True) for n in sizes * REPEATS]
     table = BlockTable()
     blocks.ensure_slots(table, context + sizes[-1])
     times: dict[int, list[float]] = {n: [] for n in sizes}
     try:
-        for step in _progress(range((REPEATS + 1) * len(sizes)), progress):
-            n = sizes[step % len(sizes)]
+        for n, timed in _progress(plan, progress):
             request = TreeRequest(TokenTree.chain([0] * n), context, table.block_ids, "last")
             start = time.perf_counter()
             runner.forward([request])
             if runner.device.type == "cuda":  # kernels run asynchronously: a step ends when they do
                 torch.cuda.synchronize(runner.device)
-            if step >= len(sizes):  # the first pass warms up
+            if timed:
                 times[n].append(time.perf_counter() - start)
     finally:
         blocks.free(table)
@@ -108,7 +111,7 @@ def _cache_file(runner: ModelRunner, model_path: Path, max_tokens: int, cache: P
     return (cache or cache_dir()) / "costs" / f"{Path(model_path).name}-{digest}.json"
 
 
-def _progress(steps: range, show: bool):
+def _progress(steps: list, show: bool):
     if not show:
         return steps
     from tqdm import tqdm
