@@ -358,8 +358,7 @@ def _q4_1(data, rows):
 def _q5_0(data, rows):
     b = _blocks(data, rows, 22)
     d = _f16(b[..., 0:2])[..., 0]
-    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # bit j: the fifth bit of column j
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # little-endian bit j: column j's fifth bit
     low = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)  # columns 0-15, then 16-31
     return _grouped(rows, low | (high << 4), d, -16 * d, 5, 16, "Q5_0")
 
