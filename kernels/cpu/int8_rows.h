@@ -53,7 +53,8 @@ constexpr int sums_per_row() { return R >= 4 ? 1 : 2; }
 template <int R>
 inline void add_products(__m512i (*dot)[sums_per_row<R>()], int slot, __m512i w, const int8_t* x, int64_t K, int word) {
   for (int r = 0; r < R; ++r)
-    dot[r][slot] = _mm512_dpbusd_epi32(dot[r][slot], w, _mm512_set1_epi32(reinterpret_cast<const int32_t*>(x + r * K)[word]));
+    dot[r][slot] = _mm512_dpbusd_epi32(dot[r][slot], w,
+                                       _mm512_set1_epi32(reinterpret_cast<const int32_t*>(x + r * K)[word]));
 }
 
 template <int R>

@@ -327,13 +327,16 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
         for (int k = 0; k < 4; ++k) {
           const __m512i packed = _mm512_loadu_si512(cu + 64 * k);
           specserve::add_products<R>(dot, 0, _mm512_and_si512(packed, low4), xu, K, k);
-          specserve::add_products<R>(dot, kSums - 1, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), xu, K, k + 4);
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          specserve::add_products<R>(dot, kSums - 1, high, xu, K, k + 4);
         }
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(specserve::row_sum<R>(dot, r), sc));
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(specserve::row_sum<R>(dot, r), sc));
       } else {  // two sub-blocks of 16: vectors 0-3 (low nibbles), then 4-7 (high nibbles)
         const int8_t* s8 = reinterpret_cast<const int8_t*>(sb);
         for (int h = 0; h < 2; ++h) {
-          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8 + 16 * (2 * u + h))));
+          const __m512i sc =
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8 + 16 * (2 * u + h))));
           const __m512i hb = _mm512_loadu_si512(cu + 256 + 64 * h);  // vector 4h + k's top bits: bits 2k..2k+1
           for (auto& row : dot) std::fill(row, row + kSums, _mm512_setzero_si512());
           for (int k = 0; k < 4; ++k) {
@@ -341,9 +344,11 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
             const __m512i low = _mm512_and_si512(h == 0 ? packed : _mm512_srli_epi16(packed, 4), low4);
             const __m512i top = k == 0 ? _mm512_slli_epi16(hb, 4) : k == 1 ? _mm512_slli_epi16(hb, 2)
                                 : k == 2 ? hb : _mm512_srli_epi16(hb, 2);
-            specserve::add_products<R>(dot, k % kSums, _mm512_or_si512(low, _mm512_and_si512(top, top2)), xu, K, 4 * h + k);
+            const __m512i w = _mm512_or_si512(low, _mm512_and_si512(top, top2));
+            specserve::add_products<R>(dot, k % kSums, w, xu, K, 4 * h + k);
           }
-          for (int r = 0; r < R; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(specserve::row_sum<R>(dot, r), sc));
+          for (int r = 0; r < R; ++r)
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(specserve::row_sum<R>(dot, r), sc));
         }
       }
     }
