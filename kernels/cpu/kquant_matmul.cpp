@@ -348,7 +348,7 @@ void ktile_rows(const uint8_t* codes, const uint8_t* scales, const float* d, con
             specserve::add_products<R>(dot, k % kSums, w, xu, K, 4 * h + k);
           }
           for (int r = 0; r < R; ++r)
-          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(specserve::row_sum<R>(dot, r), sc));
+            isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(specserve::row_sum<R>(dot, r), sc));
         }
       }
     }
