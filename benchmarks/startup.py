@@ -29,6 +29,7 @@ from report import write_report
 from tqdm import tqdm
 from verify import worktree
 
+from drafters.spec import parse_spec
 from specserve.machine import processor_name
 from specserve.pull import CACHE_ENV, cache_dir, resolve_model
 
@@ -70,12 +71,12 @@ def starts(code: Path, args) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="a model name, or ngram")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="a drafter spec (a model, ngram+suffix, ...)")
     parser.add_argument("--against", metavar="REV", help="also start the server as it was at this git revision")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "startup"))
     args = parser.parse_args()
-    for name in {args.target, args.draft} - {"ngram", "suffix", "none"}:
+    for name in [args.target, *(part.arg for part in parse_spec(args.draft) if part.kind == "model")]:
         resolve_model(name)  # pulled before anything is timed
     names = ["ours"] + ([args.against] if args.against else [])
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
