@@ -71,7 +71,8 @@ def starts(code: Path, args) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="a drafter spec (a model, ngram+suffix, ...)")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
+                        help="a drafter spec (a model, ngram+suffix, ...)")
     parser.add_argument("--against", metavar="REV", help="also start the server as it was at this git revision")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "startup"))
