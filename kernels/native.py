@@ -84,6 +84,11 @@ def build_root() -> Path:
     return cache_dir() / "kernels"
 
 
+def library_path() -> Path:
+    """The kernels' library built for this CPU: `load` compiles it there once."""
+    return build_root() / f"cpu-{build_key()}" / "specserve_cpu.so"
+
+
 def compile_library(name: str, sources: list[Path], build_directory: Path) -> None:
     """Compile `sources` (once; ninja rebuilds what changed) into a library that registers its ops
     with torch, with the kernels' own flags."""
@@ -104,7 +109,8 @@ def load() -> None:
     """Build (once per CPU) and load the kernels, registering `torch.ops.specserve_cpu`."""
     start = time.perf_counter()
     try:
-        compile_library("specserve_cpu", SOURCES, build_root() / f"cpu-{build_key()}")
+        library = library_path()
+        compile_library(library.stem, SOURCES, library.parent)
     except (RuntimeError, OSError, ImportError) as e:
         raise KernelBuildError(
             f"could not build specserve's CPU kernels ({e}). It needs a C++ compiler (g++) and ninja "

@@ -54,7 +54,7 @@ def test_the_tiled_kernels_prefetch_the_weights_they_read_next():
     # of line, it looked free of side effects) and a SmolLM2 decode ran 7% slower unnoticed.
     if isa() == "portable":
         pytest.skip("the portable path has no prefetches")
-    functions = tile_functions(native.build_root() / f"cpu-{native.build_key()}" / "specserve_cpu.so")
+    functions = tile_functions(native.library_path())
     assert functions, "no tiled kernel found in the library"
     for name, body in functions.items():
         assert "prefetcht0" in body, f"{name} reads its weights without prefetching them"
