@@ -413,8 +413,8 @@ struct RowActivations {
 // Codes, scales and minimums 16 groups ahead (into the next tile at the end of this one): a
 // call is too short for the hardware prefetcher to ramp up on its three streams (a sweep of
 // SmolLM2's weights in one process: 1 row -3%, 2 rows -6%, 8 rows -13%).
-// Always inlined: GCC 12 left the 512-bit tiles' call out of line, found the function free of
-// side effects and deleted the call, so those tiles ran without prefetches (restored: SmolLM2's
+// Always inlined: GCC 12 left the call out of line in both vector paths, found the function free
+// of side effects and deleted the call, so the tiles ran without prefetches (restored: SmolLM2's
 // decode 7% and 8-node tree 10% faster on AMD EPYC Zen 4, in-process A/B).
 template <int Bits>
 __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* c, const uint16_t* scale, const uint16_t* min,
