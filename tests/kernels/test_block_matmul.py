@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
-from kernels.native import isa, kquant_matmul, kquant_tiled_matmul, tiled_matmul
+from kernels.native import isa, kquant_matmul, kquant_tiled_matmul, library_path, tiled_matmul
 from specserve.models.gguf import decode_blocks, tile_blocks, tile_super_blocks, tiled_bits
 from tests.specserve.models.test_gguf import random_blocks
 
@@ -54,7 +53,7 @@ def test_the_tiled_kernels_prefetch_the_weights_they_read_next():
     # of line, it looked free of side effects) and a SmolLM2 decode ran 7% slower unnoticed.
     if isa() == "portable":
         pytest.skip("the portable path has no prefetches")
-    functions = tile_functions(native.library_path())
+    functions = tile_functions(library_path())
     assert functions, "no tiled kernel found in the library"
     for name, body in functions.items():
         assert "prefetcht0" in body, f"{name} reads its weights without prefetching them"
