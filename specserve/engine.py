@@ -225,6 +225,7 @@ class LLMEngine:
         """What this engine runs on and with: the CPU, dtype, weight format, kernels, default drafter."""
         from kernels import native, ops
         from specserve.machine import processor_name
+        from specserve.models.huge_pages import huge_page_bytes
 
         weights = self.model.weight_format()
         if self.config.load_format == "dummy":
@@ -236,6 +237,8 @@ class LLMEngine:
             kernels = f"specserve-cpu {native.isa()}" if ours else "torch"
             if ours and "blocks" not in weights:
                 kernels += " (attention), torch (matmuls)"
+            if huge_page_bytes(self.model):
+                kernels += ", tiles in huge pages"
         else:
             graphs = len(self.runner.graphs) if self.runner.graphs is not None else 0
             kernels = f"{attention} (attention), torch (matmuls), " + (f"{graphs} CUDA graphs" if graphs else "eager")

@@ -41,7 +41,7 @@ def weights_generation() -> int:
     return _weights_generation
 
 
-def _weights_changed() -> None:
+def weights_changed() -> None:
     global _weights_generation
     _weights_generation += 1
 
@@ -87,7 +87,7 @@ class Projection(DirectModule):
                        tiles: bool = True) -> None:
         """Take GGUF block weights (one per block, in order); they stay in their own format.
         `tiles=False` leaves this CPU's layout to the first matmul (weights about to be requantized)."""
-        _weights_changed()
+        weights_changed()
         shapes = [b.shape for b in blocks]
         if shapes != [(n, self.in_features) for n in self.out_sizes]:
             raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
@@ -99,7 +99,7 @@ class Projection(DirectModule):
 
     def restore_quantized(self, weights: Sequence[QuantizedRows], fused_bias: torch.Tensor | None) -> None:
         """Take weights as `load_quantized` left them (fused, tiles made), e.g. from prepared weights."""
-        _weights_changed()
+        weights_changed()
         if sum(w.shape[0] for w in weights) != sum(self.out_sizes) or any(w.shape[1] != self.in_features
                                                                            for w in weights):
             raise ValueError(f"weights {[w.shape for w in weights]} do not fit a projection "
@@ -140,7 +140,7 @@ class Projection(DirectModule):
 
     def load(self, blocks: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] | None, pack: bool) -> None:
         """Take the checkpoint's weights (one per block, in order); `pack` selects packed mode."""
-        _weights_changed()
+        weights_changed()
         shapes = [tuple(b.shape) for b in blocks]
         if shapes != [(n, self.in_features) for n in self.out_sizes]:
             raise ValueError(f"weights {shapes} do not fit a projection {self.in_features} -> {self.out_sizes}")
@@ -159,7 +159,7 @@ class Projection(DirectModule):
         quantized per call): half the bytes of bf16 to read, for a draft model whose forwards are
         bandwidth-bound. It changes the outputs slightly, so it is for drafts only, whose tokens
         the target verifies anyway. Large steps keep the plain weights."""
-        _weights_changed()
+        weights_changed()
         if self.quantized:
             return  # GGUF blocks already read fewer bytes than int8
         weight = (self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)).float()

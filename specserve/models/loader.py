@@ -23,6 +23,7 @@ from specserve.models import prepared
 from specserve.models.config import ModelConfig
 from specserve.models.dummy import dummy_tensors
 from specserve.models.gguf import GGUFWeights, QuantizedRows
+from specserve.models.huge_pages import move_tiles_to_huge_pages
 from specserve.models.linear import Projection, QuantizedEmbedding, packing_available
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 from specserve.pull import GGUF_FILE
@@ -170,9 +171,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None, quantiz
                shard: Sharding | None = None) -> LlamaForCausalLM:
     """The model of a directory, on `device`: its GGUF or safetensors weights (`load_format` auto),
     or random weights at its config's shape (dummy, `specserve.models.dummy`). Quantized blocks
-    run our CPU kernels: elsewhere a GGUF serves its exactly dequantized weights, bf16 by default.
+    run our CPU kernels, their tiles in huge pages where the OS offers them (`huge_pages`):
+    elsewhere a GGUF serves its exactly dequantized weights, bf16 by default.
     `shard`: only a tensor-parallel rank's share of the plain weights (`_load_shard`)."""
-    path, device = Path(path), torch.device(device)
+    model = _load_model(Path(path), dtype, quantization, load_format, torch.device(device), shard)
+    move_tiles_to_huge_pages(model)
+    return model
+
+
+def _load_model(path: Path, dtype: str | torch.dtype | None, quantization: str, load_format: str,
+                device: torch.device, shard: Sharding | None) -> LlamaForCausalLM:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
     config = ModelConfig.from_dir(path)
