@@ -29,12 +29,12 @@ ALIGNMENT = 64  # each tensor starts on a cache line
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def huge_pages_offered(setting: Path | None = None) -> bool:
+def huge_pages_offered() -> bool:
     """Whether this kernel gives transparent huge pages to memory that asks for them."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
-        chosen = (setting or THP_SETTING).read_text()
+        chosen = THP_SETTING.read_text()
     except OSError:
         return False
     return "[always]" in chosen or "[madvise]" in chosen
