@@ -84,7 +84,9 @@ def test_tiles_move_in_forward_order_into_one_advised_mapping_and_compute_the_sa
     tiles = [t for _, ts in huge_pages.tiled_weights(model) for t in ts]
     assert moved == huge_pages.huge_page_bytes(model) == sum(huge_pages._span(t) for t in tiles) > 0
     addresses = [t.data_ptr() for t in tiles]
-    assert addresses == sorted(addresses) and all(a % huge_pages.ALIGNMENT == 0 for a in addresses)
+    ends = [a + huge_pages._span(t) for a, t in zip(addresses, tiles, strict=True)]
+    assert addresses[1:] == ends[:-1]  # back to back, each on a cache line, in forward order
+    assert all(a % huge_pages.ALIGNMENT == 0 for a in addresses)
     assert addresses[0] % huge_pages.HUGE_PAGE == 0
     start, end, flags = mapping_range(addresses[0])
     assert end >= tiles[-1].data_ptr() + tiles[-1].numel() * tiles[-1].element_size()
