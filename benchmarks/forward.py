@@ -7,8 +7,9 @@ MKL matmuls; the same in bf16 through oneDNN; transformers on the same GGUF in f
 8 nodes, every row's logits computed. In the same run it measures the memory bandwidth (reading
 a 1 GiB tensor) and so the time a decode step needs at least: its weights read once. Reported
 per candidate, as the CPU issue asks: decode / weights-read time (target <= 1.5) and 8-node tree
-/ decode (target <= 1.3). Contenders take turns, each timed back to back after its own warm-up
-(`in_turns`); medians.
+/ decode (target <= 1.3). Each contender's shapes are timed back to back after their own warm-up,
+the contenders in turn (`in_turns`), three rounds, the bandwidth read again at the start of each;
+medians.
 
     python benchmarks/forward.py [--model smollm2-135m-instruct] [--repeats 15]
 """
@@ -39,6 +40,7 @@ from specserve.tree import TokenTree
 RESULTS = Path(__file__).parent / "results"
 MODULE_BY_MODULE = "gguf-blocks, layer by layer"
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 3, 3)  # 8 nodes: a root, two subtrees of uneven depth
+ROUNDS = 3
 
 
 def weight_bytes(model) -> int:
@@ -143,8 +145,7 @@ def transformers_step(model, prefix: list[int], tree: TokenTree) -> Callable[[],
     return run
 
 
-def in_turns(steps: dict[str, Callable[[], float]], repeats: int, warmup: int,
-                rounds: int = 3) -> dict[str, list[float]]:
+def in_turns(steps: dict, repeats: int, warmup: int, rounds: int = ROUNDS) -> dict:
     """The contenders in turn, `rounds` times, each time `warmup` untimed calls and then its share
     of `repeats` back to back: a contender is timed in its steady state, as a server running that
     one model, while the turns spread machine noise over all. (Call by call, a GGUF step timed
@@ -157,6 +158,19 @@ def in_turns(steps: dict[str, Callable[[], float]], repeats: int, warmup: int,
                 step()
             times[name] += [step() for _ in range(share)]
     return times
+
+
+def paired_ratio(first: Callable[[], float], second: Callable[[], float], pairs: int, warmup: int) -> float:
+    """The median over `pairs` of second's time over first's, the two called alternately after
+    their warm-up: a drift of the machine falls on both sides of every ratio."""
+    for _ in range(warmup):
+        first()
+        second()
+    ratios = []
+    for _ in range(pairs):
+        a = first()
+        ratios.append(second() / a)
+    return statistics.median(ratios)
 
 
 def main() -> None:
@@ -181,7 +195,6 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # as the engine does after loading: the weights' objects out of the collector's way
     peers = {} if args.no_transformers else {"transformers-fp32": load_transformers(path, torch.float32)}
-    bandwidth = read_bandwidth()
     mac_rate = compute_rate(candidates["gguf-blocks"])
     gen = torch.Generator().manual_seed(0)
     vocab = candidates["fp32"].config.vocab_size
@@ -192,17 +205,37 @@ def main() -> None:
 
     shapes = {f"chain {n}": TokenTree.chain(tokens(n)) for n in (int(s) for s in args.sizes.split(","))}
     shapes["tree 8"] = TokenTree(tuple(tokens(8)), TREE_PARENTS)
-    medians: dict[str, dict[str, float]] = {name: {} for name in (*candidates, *peers)}
-    all_times: dict[str, dict[str, list[float]]] = {name: {} for name in medians}
-    for shape, tree in tqdm(shapes.items(), desc="shapes"):
-        steps = {name: ours_step(model, prefix, tree) for name, model in candidates.items()}
-        steps[MODULE_BY_MODULE] = module_by_module(steps[MODULE_BY_MODULE])
-        for name, model in peers.items():
+    # Every shape of a contender back to back, the contenders in turn, in ROUNDS rounds with the
+    # bandwidth measured at the start of each: a drift of the VM falls on all shapes and on the
+    # read alike, so the ratios compare times taken together (one shape after another, a decode
+    # measured right after loading ran slower than the chain of 2 measured after it).
+    steps: dict[tuple[str, str], Callable[[], float]] = {}
+    for name, model in candidates.items():
+        for shape, tree in shapes.items():
+            step = ours_step(model, prefix, tree)
+            steps[name, shape] = module_by_module(step) if name == MODULE_BY_MODULE else step
+    for name, model in peers.items():
+        for shape, tree in shapes.items():
             if (step := transformers_step(model, prefix, tree)) is not None:
-                steps[name] = step
-        for name, times in in_turns(steps, args.repeats, args.warmup).items():
-            medians[name][shape] = statistics.median(times)
-            all_times[name][shape] = times
+                steps[name, shape] = step
+    all_times: dict[str, dict[str, list[float]]] = {name: {} for name in (*candidates, *peers)}
+    bandwidths: list[float] = []
+    weights = {name: weight_bytes(model) for name, model in candidates.items()}
+    decode_over_read: dict[str, list[float]] = {name: [] for name in candidates}  # per round
+    in_turns(steps, args.repeats // ROUNDS, args.warmup, rounds=1)  # an untimed round: the first ran slow
+    for turn in tqdm(range(ROUNDS), desc="rounds"):
+        bandwidths.append(read_bandwidth())
+        share = args.repeats // ROUNDS + (turn < args.repeats % ROUNDS)
+        for (name, shape), times in in_turns(steps, share, args.warmup, rounds=1).items():
+            all_times[name].setdefault(shape, []).extend(times)
+            if shape == "chain 1" and name in candidates:
+                decode_over_read[name].append(statistics.median(times) * bandwidths[-1] / weights[name])
+    bandwidth = statistics.median(bandwidths)
+    # The tree against the decode with the two called alternately, the median of the pairs' ratios
+    tree_over_decode = {name: paired_ratio(steps[name, "chain 1"], steps[name, "tree 8"], 2 * args.repeats,
+                                           args.warmup) for name in candidates}
+    medians = {name: {shape: statistics.median(ts) for shape, ts in by_shape.items()}
+               for name, by_shape in all_times.items()}
 
     rows = []
     for name, by_shape in medians.items():
@@ -220,32 +253,41 @@ def main() -> None:
             "tree8_over_decode": tree / decode if tree else None,
             "tree8_compute_bound_ms": compute8 * 1e3 if compute8 else None,
             "tree8_bound_over_decode": max(read, compute8) / decode if compute8 else None,
+            "decode_over_read_by_round": decode_over_read.get(name),
+            "decode_over_read_rounds_median": statistics.median(decode_over_read[name]) if read else None,
+            "tree8_over_decode_paired": tree_over_decode.get(name),
         })
     result = {
         "benchmark": "forward", "model": args.model, "prefix": args.prefix, "repeats": args.repeats,
         "warmup": args.warmup, "threads": torch.get_num_threads(), "machine": processor_name(),
         "kernel_isa": native.isa(), "torch": torch.__version__, "read_gb_per_s": bandwidth / 1e9,
+        "read_gb_per_s_by_round": [b / 1e9 for b in bandwidths],
         "kernel_gmac_per_s": mac_rate / 1e9 if mac_rate else None, "rows": rows,
     }
     chains = [s for s in shapes if s.startswith("chain")]
     write_report(
         args.out, result,
         f"Forward time (ms) after a {args.prefix}-token prefix, {args.model}, {processor_name()}, "
-        f"{torch.get_num_threads()} threads, our kernels {native.isa()}, memory read {bandwidth / 1e9:.1f} GB/s"
+        f"{torch.get_num_threads()} threads, our kernels {native.isa()}, memory read {bandwidth / 1e9:.1f} GB/s "
+        f"(median of {ROUNDS} rounds)"
         + (f", our kernel {mac_rate / 1e9:.0f} GMAC/s with its weights in cache" if mac_rate else "")
-        + f"; median of {args.repeats} "
-        f"runs in three turns per contender, each turn after {args.warmup} warm-up calls. Targets: decode "
+        + f"; median of {args.repeats} runs per shape in {ROUNDS} rounds, each "
+        f"contender's shapes back to back, each after {args.warmup} warm-up calls. Targets: decode "
         f"<= 1.5x its weights read once; an 8-node "
         f"tree <= 1.3x a decode. Tree bound: 8 rows' multiply-adds at that rate, or the weights read once "
-        f"(the larger), over the decode",
+        f"(the larger), over the decode. By round: each round's median decode over its weights read at that "
+        f"round's bandwidth, the median of the rounds. Paired: the tree and the decode called alternately "
+        f"({2 * args.repeats} pairs after the rounds), the median of the pairs' ratios",
         ["candidate", "weights MB", "read once ms", *chains, "tree 8", "decode / read", "tree 8 / decode",
-         "tree 8 bound / decode"],
+         "tree 8 bound / decode", "decode / read, by round", "tree 8 / decode, paired"],
         [[r["candidate"], f"{r['weights_mb']:.0f}" if r["weights_mb"] else "-",
           f"{r['weights_read_ms']:.1f}" if r["weights_read_ms"] else "-",
           *(f"{r['ms'][s]:.1f}" for s in chains), f"{r['ms']['tree 8']:.1f}" if "tree 8" in r["ms"] else "-",
           f"{r['decode_over_read']:.2f}x" if r["decode_over_read"] else "-",
           f"{r['tree8_over_decode']:.2f}x" if r["tree8_over_decode"] else "-",
-          f"{r['tree8_bound_over_decode']:.2f}x" if r["tree8_bound_over_decode"] else "-"] for r in rows],
+          f"{r['tree8_bound_over_decode']:.2f}x" if r["tree8_bound_over_decode"] else "-",
+          f"{r['decode_over_read_rounds_median']:.2f}x" if r["decode_over_read_rounds_median"] else "-",
+          f"{r['tree8_over_decode_paired']:.2f}x" if r["tree8_over_decode_paired"] else "-"] for r in rows],
     )
 
 
