@@ -15,7 +15,22 @@ from specserve.models import huge_pages
 from specserve.models.loader import load_model
 from specserve.tree import TokenTree
 
-needs_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this OS")
+
+def madvise_hugepage_works() -> bool:
+    """Whether this kernel takes MADV_HUGEPAGE at all (one built without huge pages refuses it)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    probe = mmap.mmap(-1, huge_pages.HUGE_PAGE)
+    try:
+        probe.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+needs_madvise = pytest.mark.skipif(not madvise_hugepage_works(), reason="this kernel refuses MADV_HUGEPAGE")
 
 
 @pytest.fixture
