@@ -1,7 +1,8 @@
 """What a target forward costs, per weight format and kernel, against the machine's own limits.
 
-For each candidate (the GGUF's blocks through our kernel, the layers in one C++ call, and the same
-with the layers called module by module from Python; the exact fp32 weights through torch's
+For each candidate (the GGUF's blocks through our kernel, the whole step in one C++ call; the same
+with the embedding, final norm and LM head run from Python around the layers' one call; and with
+the layers called module by module from Python too; the exact fp32 weights through torch's
 MKL matmuls; the same in bf16 through oneDNN; transformers on the same GGUF in fp32), after a
 128-token prefix: a decode step (1 new token), chains of 2-64 new tokens, and a branching tree of
 8 nodes, every row's logits computed. In the same run it measures the memory bandwidth (reading
@@ -9,7 +10,9 @@ a 1 GiB tensor) and so the time a decode step needs at least: its weights read o
 per candidate, as the CPU issue asks: decode / weights-read time (target <= 1.5) and 8-node tree
 / decode (target <= 1.3). Each contender's shapes are timed back to back after their own warm-up,
 the contenders in turn (`in_turns`), three rounds, the bandwidth read again at the start of each;
-medians.
+medians. The tree against the decode, and the other ways of running the GGUF's blocks against the
+default one, are also timed called alternately (paired ratios: on a drifting VM, the only way to
+rank contenders a few percent apart).
 
     python benchmarks/forward.py [--model smollm2-135m-instruct] [--repeats 15]
 """
@@ -39,6 +42,8 @@ from specserve.tree import TokenTree
 
 RESULTS = Path(__file__).parent / "results"
 MODULE_BY_MODULE = "gguf-blocks, layer by layer"
+LAYERS_ONLY = "gguf-blocks, layers in one call"
+STACK_SETTING = {MODULE_BY_MODULE: "0", LAYERS_ONLY: "layers"}  # SPECSERVE_DECODER_STACK while each runs
 TREE_PARENTS = (-1, 0, 0, 1, 1, 2, 3, 3)  # 8 nodes: a root, two subtrees of uneven depth
 ROUNDS = 3
 
@@ -111,11 +116,12 @@ def ours_step(model, prefix: list[int], tree: TokenTree) -> Callable[[], float]:
     return run
 
 
-def module_by_module(step: Callable[[], float]) -> Callable[[], float]:
-    """`step` with the decoder stack turned off (SPECSERVE_DECODER_STACK=0) while it runs."""
+def with_stack_setting(step: Callable[[], float], setting: str) -> Callable[[], float]:
+    """`step` with SPECSERVE_DECODER_STACK=`setting` while it runs: 0, the layers module by module;
+    `layers`, the layers in one C++ call and the embedding, final norm and LM head from Python."""
 
     def run() -> float:
-        os.environ["SPECSERVE_DECODER_STACK"] = "0"
+        os.environ["SPECSERVE_DECODER_STACK"] = setting
         try:
             return step()
         finally:
@@ -190,8 +196,9 @@ def main() -> None:
         "fp32": load_model(path, torch.float32, "none"),
         "bf16": load_model(path, torch.bfloat16, "none"),
     }
-    # The same blocks with the layers called module by module from Python (what the decoder stack saves)
-    candidates[MODULE_BY_MODULE] = candidates["gguf-blocks"]
+    # The same blocks with the step's ends run from Python around the decoder stack, and with the
+    # layers called module by module too (what the whole step in C++ saves, and the stack)
+    candidates[LAYERS_ONLY] = candidates[MODULE_BY_MODULE] = candidates["gguf-blocks"]
     gc.collect()
     gc.freeze()  # as the engine does after loading: the weights' objects out of the collector's way
     peers = {} if args.no_transformers else {"transformers-fp32": load_transformers(path, torch.float32)}
@@ -213,7 +220,7 @@ def main() -> None:
     for name, model in candidates.items():
         for shape, tree in shapes.items():
             step = ours_step(model, prefix, tree)
-            steps[name, shape] = module_by_module(step) if name == MODULE_BY_MODULE else step
+            steps[name, shape] = with_stack_setting(step, STACK_SETTING[name]) if name in STACK_SETTING else step
     for name, model in peers.items():
         for shape, tree in shapes.items():
             if (step := transformers_step(model, prefix, tree)) is not None:
@@ -223,10 +230,14 @@ def main() -> None:
     weights = {name: weight_bytes(model) for name, model in candidates.items()}
     decode_over_read: dict[str, list[float]] = {name: [] for name in candidates}  # per round
     in_turns(steps, args.repeats // ROUNDS, args.warmup, rounds=1)  # an untimed round: the first ran slow
+    names = list(all_times)
     for turn in tqdm(range(ROUNDS), desc="rounds"):
         bandwidths.append(read_bandwidth())
         share = args.repeats // ROUNDS + (turn < args.repeats % ROUNDS)
-        for (name, shape), times in in_turns(steps, share, args.warmup, rounds=1).items():
+        # Each round starts with the next contender: the one timed right after the bandwidth's
+        # 1 GiB read measured 10-20% slow, whichever it was
+        order = dict(sorted(steps.items(), key=lambda item: (names.index(item[0][0]) - turn) % len(names)))
+        for (name, shape), times in in_turns(order, share, args.warmup, rounds=1).items():
             all_times[name].setdefault(shape, []).extend(times)
             if shape == "chain 1" and name in candidates:
                 decode_over_read[name].append(statistics.median(times) * bandwidths[-1] / weights[name])
@@ -234,6 +245,11 @@ def main() -> None:
     # The tree against the decode with the two called alternately, the median of the pairs' ratios
     tree_over_decode = {name: paired_ratio(steps[name, "chain 1"], steps[name, "tree 8"], 2 * args.repeats,
                                            args.warmup) for name in candidates}
+    # The other ways of running the same blocks against the default one, called alternately too
+    # (a contender's turn right after the bandwidth read ran slow: turns alone cannot rank them)
+    versus_default = {name: {shape: paired_ratio(steps["gguf-blocks", shape], steps[name, shape], 2 * args.repeats,
+                                                 args.warmup) for shape in ("chain 1", "tree 8")}
+                      for name in STACK_SETTING}
     medians = {name: {shape: statistics.median(ts) for shape, ts in by_shape.items()}
                for name, by_shape in all_times.items()}
 
@@ -256,6 +272,7 @@ def main() -> None:
             "decode_over_read_by_round": decode_over_read.get(name),
             "decode_over_read_rounds_median": statistics.median(decode_over_read[name]) if read else None,
             "tree8_over_decode_paired": tree_over_decode.get(name),
+            "over_gguf_blocks_paired": versus_default.get(name),
         })
     result = {
         "benchmark": "forward", "model": args.model, "prefix": args.prefix, "repeats": args.repeats,
@@ -277,9 +294,11 @@ def main() -> None:
         f"tree <= 1.3x a decode. Tree bound: 8 rows' multiply-adds at that rate, or the weights read once "
         f"(the larger), over the decode. By round: each round's median decode over its weights read at that "
         f"round's bandwidth, the median of the rounds. Paired: the tree and the decode called alternately "
-        f"({2 * args.repeats} pairs after the rounds), the median of the pairs' ratios",
+        f"({2 * args.repeats} pairs after the rounds), the median of the pairs' ratios; likewise each other way "
+        f"of running the GGUF's blocks against the default one (over gguf-blocks, paired: decode, tree 8)",
         ["candidate", "weights MB", "read once ms", *chains, "tree 8", "decode / read", "tree 8 / decode",
-         "tree 8 bound / decode", "decode / read, by round", "tree 8 / decode, paired"],
+         "tree 8 bound / decode", "decode / read, by round", "tree 8 / decode, paired",
+         "over gguf-blocks, paired"],
         [[r["candidate"], f"{r['weights_mb']:.0f}" if r["weights_mb"] else "-",
           f"{r['weights_read_ms']:.1f}" if r["weights_read_ms"] else "-",
           *(f"{r['ms'][s]:.1f}" for s in chains), f"{r['ms']['tree 8']:.1f}" if "tree 8" in r["ms"] else "-",
@@ -287,7 +306,9 @@ def main() -> None:
           f"{r['tree8_over_decode']:.2f}x" if r["tree8_over_decode"] else "-",
           f"{r['tree8_bound_over_decode']:.2f}x" if r["tree8_bound_over_decode"] else "-",
           f"{r['decode_over_read_rounds_median']:.2f}x" if r["decode_over_read_rounds_median"] else "-",
-          f"{r['tree8_over_decode_paired']:.2f}x" if r["tree8_over_decode_paired"] else "-"] for r in rows],
+          f"{r['tree8_over_decode_paired']:.2f}x" if r["tree8_over_decode_paired"] else "-",
+          "{chain 1:.3f}x, {tree 8:.3f}x".format_map(r["over_gguf_blocks_paired"]) if r["over_gguf_blocks_paired"]
+          else "-"] for r in rows],
     )
 
 

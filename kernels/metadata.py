@@ -153,18 +153,21 @@ def host_tensors(
     # A few tensor ops per step, not a few per request: a step of 32 decodes made ~160 before.
     tables = torch.tensor([[*table, *[0] * (max_blocks - len(table))] for table in block_tables]
                           + [[0] * max_blocks] * missing, dtype=torch.int64)
-    tree_lens = torch.tensor(lens + [0] * missing, dtype=torch.int64)
-    masks = chain_masks(tree_lens, max_n)
+    all_lens = lens + [0] * missing
+    # The 1-D fields made as one tensor and split into views: each tensor op costs a few
+    # microseconds, ten times that right after a CPU forward has streamed the weights through the caches.
+    sizes = [requests + 1, requests, requests, len(slots), len(positions)]
+    flat = torch.tensor([0, *itertools.accumulate(all_lens), *context_lens, *[0] * missing, *all_lens, *slots,
+                         *positions], dtype=torch.int64)
+    starts, contexts, tree_lens, slot_mapping, position_ids = flat.split(sizes)
+    if max_n == 1 and not missing:  # single tokens (decodes): each sees itself
+        masks = torch.ones(requests, 1, 1, dtype=torch.bool)
+    else:
+        masks = chain_masks(tree_lens, max_n)
     for b, tree in enumerate(trees):
         if not tree.is_chain:
             masks[b, : len(tree), : len(tree)] = tree.ancestor_mask
-    starts = torch.tensor([0, *itertools.accumulate(lens + [0] * missing)], dtype=torch.int64)
-
-    def as_tensor(x: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(x, dtype=torch.int64)
-
-    host = [starts, as_tensor([*context_lens, *[0] * missing]), tree_lens, tables, as_tensor(slots),
-            as_tensor(positions), masks]
+    host = [starts, contexts, tree_lens, tables, slot_mapping, position_ids, masks]
     if bitmask and max_n <= 64:
         bits = (masks.long() * (torch.ones(max_n, dtype=torch.int64) << torch.arange(max_n))).sum(-1)
         rows = torch.tensor([b * max_n + i for b, n in enumerate(lens) for i in range(n)], dtype=torch.int64)

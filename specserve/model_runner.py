@@ -101,12 +101,13 @@ class ModelRunner:
     ) -> ForwardResult:
         starts = [0, *itertools.accumulate(len(r.tree) for r in requests)]  # from the host: no read
         selected, counts = _logits_rows(requests, starts)
-        selected = selected.to(self.device, non_blocking=True)
+        if selected is not None:
+            selected = selected.to(self.device, non_blocking=True)
         graph = None if self.graphs is None or num_layers is not None else self.graphs.find(requests, hidden_at)
         if graph is not None:
             normed, hidden = self.graphs.run(graph, requests)
             # Out of the graph's outputs, which the next replay rewrites: the logits and copies
-            logits = self.model.score(normed[selected])
+            logits = self.model.score(normed[: starts[-1]] if selected is None else normed[selected])
             hidden = {k: h[: starts[-1]].clone() for k, h in hidden.items()}
         else:
             out = self.model(_input_ids(requests, self.device), self.metadata(requests), self.kv_cache,
@@ -142,8 +143,9 @@ def _input_ids(requests: Sequence[TreeRequest], device: torch.device) -> torch.T
     return ids if device.type == "cpu" else ids.pin_memory().to(device, non_blocking=True)
 
 
-def _logits_rows(requests: Sequence[TreeRequest], starts: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """Flat token indices whose logits are wanted, and how many belong to each request."""
+def _logits_rows(requests: Sequence[TreeRequest], starts: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    """Flat token indices whose logits are wanted (None: every token's, in order), and how many
+    belong to each request."""
     rows: list[int] = []
     counts: list[int] = []
     for b, r in enumerate(requests):
@@ -154,4 +156,6 @@ def _logits_rows(requests: Sequence[TreeRequest], starts: list[int]) -> tuple[to
             wanted = [start + node for node in r.logits]
         rows.extend(wanted)
         counts.append(len(wanted))
+    if len(rows) == starts[-1] and rows == list(range(starts[-1])):
+        return None, counts
     return torch.tensor(rows, dtype=torch.int64), counts

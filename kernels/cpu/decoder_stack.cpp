@@ -1,4 +1,6 @@
-// A model's decoder layers run from C++ in one call, over weights bound once (`DecoderStack`).
+// A model's decoder layers run from C++ in one call, over weights bound once (`DecoderStack`);
+// with the model's embedding, final norm and LM head bound too, a whole step from token ids to
+// logits (`logits`).
 //
 // A small model's decode is mostly per-op costs: SmolLM2-135M makes about 400 op calls a step
 // (four projections, two norms, rotary + K/V write, attention and SwiGLU's product per layer) and
@@ -6,6 +8,9 @@
 // attribute lookups) took about 60% of the step's time. Here each layer is the very same ops,
 // called through the dispatcher from C++: the same kernels in the same order, so the same bits
 // as `specserve.models.llama.DecoderLayer`'s fp32 CPU path (a test holds the two equal).
+// The Python around the layers cost as much again once the step's weights had streamed through
+// the caches: the embedding's dequantization, the rows' selection, the final norm and the head's
+// module calls took ~0.4 ms of a 6.7 ms SmolLM2 decode on a 2-core Zen 4, against ~0.1 ms hot.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -98,6 +103,104 @@ class DecoderStack : public torch::CustomClassHolder {
 
   void set_bias(int64_t layer, int64_t slot, at::Tensor bias) { projection(layer, slot).bias = std::move(bias); }
 
+  // Token embeddings as a float32 table [vocab, hidden] (read as `F.embedding` reads it).
+  void set_embedding_table(at::Tensor table) {
+    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat, "DecoderStack: a float32 [vocab, hidden] table");
+    embedding_ = Embedding{.table = table.contiguous()};
+  }
+
+  // Token embeddings in quantized blocks, dequantized row by row as `BlockWeight.dequantize` does:
+  // codes uint8 [vocab, hidden / 2] (4 bits, Q4_0's nibble order per 32) or [vocab, hidden]; scale
+  // and min float32 [vocab, hidden / group]; w = (q - zero_point) * scale, or q * scale + min.
+  void set_embedding_blocks(at::Tensor codes, at::Tensor scale, at::Tensor min, int64_t bits, int64_t group,
+                            int64_t zero_point) {
+    TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && scale.scalar_type() == at::kFloat &&
+                    min.sizes() == scale.sizes() && min.scalar_type() == at::kFloat && scale.size(0) == codes.size(0) &&
+                    group > 0 && (bits != 4 || group % 32 == 0) &&
+                    codes.size(1) * (bits == 4 ? 2 : 1) == scale.size(1) * group,
+                "DecoderStack: embedding blocks do not fit together");
+    embedding_ = Embedding{.codes = codes.contiguous(), .scale = scale.contiguous(), .min = min.contiguous(),
+                           .bits = bits, .group = group, .zero_point = zero_point};
+  }
+
+  // Token embeddings in K-quant super-blocks of 256, dequantized row by row as
+  // `SuperBlockWeight.dequantize` does: Q4_K (bits 4: w = d * sc * q - dmin * m per 32) or Q6_K
+  // (bits 6: w = d * sc * (q - 32) per 16), in that class's layout of the file's bytes.
+  void set_embedding_superblocks(at::Tensor codes, at::Tensor high, at::Tensor sub_scale, at::Tensor sub_min,
+                                 at::Tensor d, at::Tensor dmin, int64_t bits) {
+    const int64_t sub = bits == 4 ? 32 : 16;
+    TORCH_CHECK((bits == 4 || bits == 6) && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
+                    d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == codes.size(0) &&
+                    codes.size(1) * 2 == d.size(1) * kSuper && sub_scale.size(1) * sub == d.size(1) * kSuper &&
+                    (bits == 6 ? high.size(1) * 4 == d.size(1) * kSuper && sub_scale.scalar_type() == at::kChar
+                               : sub_min.sizes() == sub_scale.sizes() && sub_scale.scalar_type() == at::kByte &&
+                                     dmin.sizes() == d.sizes() && dmin.scalar_type() == at::kFloat),
+                "DecoderStack: embedding super-blocks do not fit together");
+    embedding_ = Embedding{.codes = codes.contiguous(), .scale = d.contiguous(), .min = dmin.contiguous(),
+                           .high = high.contiguous(), .sub_scale = sub_scale.contiguous(),
+                           .sub_min = sub_min.contiguous(), .bits = bits, .group = sub, .super_blocks = true};
+  }
+
+  // The embeddings of token ids [T], float32 [T, hidden] (what `logits` starts from).
+  at::Tensor embed(const at::Tensor& ids) const {
+    TORCH_CHECK(embedding_.bound(), "DecoderStack: no embedding bound");
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "DecoderStack: token ids must be int64 [T]");
+    const at::Tensor idc = ids.contiguous();
+    const int64_t* id = idc.data_ptr<int64_t>();
+    const int64_t tokens = idc.numel(), vocab = embedding_.vocab();
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(0 <= id[t] && id[t] < vocab, "DecoderStack: token id ", id[t], " outside the vocabulary of ", vocab);
+    if (embedding_.table.defined()) return embedding_.table.index_select(0, idc);
+    const int64_t hidden = embedding_.hidden();
+    at::Tensor out = at::empty({tokens, hidden}, at::kFloat);
+    float* rows = out.data_ptr<float>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (embedding_.super_blocks) super_block_row(id[t], rows + t * hidden);
+      else block_row(id[t], rows + t * hidden);
+    }
+    return out;
+  }
+
+  // The rotary tables [positions, head_dim] (`RotaryEmbedding.cos`, `.sin`): `logits` takes positions.
+  void set_rotary(at::Tensor cos, at::Tensor sin) {
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat,
+                "DecoderStack: rotary tables must be float32 [positions, head_dim]");
+    cos_ = cos.contiguous();
+    sin_ = sin.contiguous();
+  }
+
+  // The final norm's weight, and the LM head's weights as `add_part` takes them (with a bias).
+  void set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
+
+  void add_head_part(const std::string& op, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
+    head_.parts.push_back(Part{handle(op.c_str()), std::move(tensors), std::move(ints)});
+  }
+
+  void set_head_bias(at::Tensor bias) { head_.bias = std::move(bias); }
+
+  // A step from the token ids [T] at `positions` to the float32 logits of the tokens `rows` names
+  // (all when absent): the embedding, every layer as `forward` runs them, the final residual add
+  // and norm, the LM head. Token ids outside the vocabulary, and positions past the tables, are refused.
+  at::Tensor logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                    const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& ancestor_mask,
+                    double scale, std::optional<at::Tensor> rows) {
+    TORCH_CHECK(final_norm_.defined() && !head_.parts.empty() && embedding_.bound() && cos_.defined(),
+                "DecoderStack: logits needs the embedding, rotary tables, final norm and LM head bound");
+    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
+    auto [x, delta] = forward(embed(ids), std::nullopt, cos, sin, k_cache, v_cache, slot_mapping, query_start_loc,
+                              context_lens, block_tables, ancestor_mask, scale, 0,
+                              static_cast<int64_t>(layers_.size()));
+    if (rows) {
+      x = x.index_select(0, *rows);
+      if (delta) delta = delta->index_select(0, *rows);
+    }
+    const at::Tensor normed = delta ? std::get<1>(add_norm_.call(x, *delta, final_norm_, eps_))
+                                    : norm_.call(x, final_norm_, eps_);
+    return head_(normed);
+  }
+
   // Layers [begin, end) over the step: the residual stream enters as x + delta (delta absent: x)
   // and leaves as the sum of the two returned tensors, as `DecoderLayer.forward` has it (an empty
   // range returns them as they came).
@@ -149,6 +252,67 @@ class DecoderStack : public torch::CustomClassHolder {
     return {k_views_[i], v_views_[i]};
   }
 
+  static constexpr int64_t kSuper = 256;  // weights per K-quant super-block
+
+  // Where `embed` reads: a float32 table; blocks of `group` (codes, scale, min); or super-blocks
+  // (codes, high, sub_scale, sub_min, with d in `scale` and dmin in `min`).
+  struct Embedding {
+    at::Tensor table;
+    at::Tensor codes, scale, min, high, sub_scale, sub_min;
+    int64_t bits = 0, group = 0, zero_point = 0;
+    bool super_blocks = false;
+
+    bool bound() const { return table.defined() || codes.defined(); }
+    int64_t vocab() const { return table.defined() ? table.size(0) : scale.size(0); }
+    int64_t hidden() const {
+      return table.defined() ? table.size(1) : scale.size(1) * (super_blocks ? kSuper : group);
+    }
+  };
+
+  // Row `id` of a block embedding (`set_embedding_blocks`) into `row`.
+  void block_row(int64_t id, float* row) const {
+    const Embedding& e = embedding_;
+    const int64_t groups = e.scale.size(1), hidden = e.hidden();
+    const uint8_t* codes = e.codes.data_ptr<uint8_t>() + id * e.codes.size(1);
+    const float* scale = e.scale.data_ptr<float>() + id * groups;
+    const float* min = e.min.data_ptr<float>() + id * groups;
+    const float zero_point = static_cast<float>(e.zero_point);
+    for (int64_t j = 0; j < hidden; ++j) {
+      // 4-bit codes: per 32 columns, byte k holds column k (low nibble) and k + 16 (high)
+      const int64_t span = j / 32 * 16, k = j % 32;
+      const float q = e.bits == 4 ? static_cast<float>(k < 16 ? codes[span + k] & 0x0F : codes[span + k - 16] >> 4)
+                                  : static_cast<float>(codes[j]);
+      const int64_t g = j / e.group;
+      row[j] = e.zero_point != 0 ? (q - zero_point) * scale[g] : q * scale[g] + min[g];  // two roundings, as torch's
+    }
+  }
+
+  // Row `id` of a super-block embedding (`set_embedding_superblocks`) into `row`.
+  void super_block_row(int64_t id, float* row) const {
+    const Embedding& e = embedding_;
+    const int64_t blocks = e.scale.size(1), hidden = e.hidden(), subs = hidden / e.group;
+    const uint8_t* codes = e.codes.data_ptr<uint8_t>() + id * (hidden / 2);
+    const float* d = e.scale.data_ptr<float>() + id * blocks;
+    for (int64_t j = 0; j < hidden; ++j) {
+      // Per 128 columns: 64 bytes of low bits (column k low nibble, k + 64 high); Q6_K's top two
+      // bits in 32 bytes (byte b: columns b, b + 32, b + 64, b + 96 in bits 0-1, 2-3, 4-5, 6-7)
+      const int64_t chunk = j / 128, k = j % 128;
+      int32_t q = k < 64 ? codes[chunk * 64 + k] & 0x0F : codes[chunk * 64 + k - 64] >> 4;
+      const int64_t s = j / e.group;
+      if (e.bits == 6) {
+        const uint8_t* high = e.high.data_ptr<uint8_t>() + id * (hidden / 4);
+        q |= ((high[chunk * 32 + k % 32] >> (2 * (k / 32))) & 3) << 4;
+        const float scale = d[j / kSuper] * static_cast<float>(e.sub_scale.data_ptr<int8_t>()[id * subs + s]);
+        row[j] = (static_cast<float>(q) - 32.f) * scale;
+      } else {
+        const float scale = d[j / kSuper] * static_cast<float>(e.sub_scale.data_ptr<uint8_t>()[id * subs + s]);
+        const float min = e.min.data_ptr<float>()[id * blocks + j / kSuper] *
+                          static_cast<float>(e.sub_min.data_ptr<uint8_t>()[id * subs + s]);
+        row[j] = static_cast<float>(q) * scale - min;  // two roundings, as torch's mul_ then sub_
+      }
+    }
+  }
+
   Layer& at(int64_t layer) {
     TORCH_CHECK(0 <= layer && layer < static_cast<int64_t>(layers_.size()), "DecoderStack: no layer ", layer);
     return layers_[layer];
@@ -160,6 +324,9 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   std::vector<Layer> layers_;
+  Embedding embedding_;
+  at::Tensor cos_, sin_, final_norm_;
+  Projection head_;
   std::vector<at::Tensor> k_views_, v_views_;
   std::vector<int64_t> cache_sizes_;
   int64_t heads_, kv_heads_, head_dim_;
@@ -179,5 +346,14 @@ TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
       .def("set_norms", &DecoderStack::set_norms)
       .def("add_part", &DecoderStack::add_part)
       .def("set_bias", &DecoderStack::set_bias)
-      .def("forward", &DecoderStack::forward);
+      .def("set_embedding_table", &DecoderStack::set_embedding_table)
+      .def("set_embedding_blocks", &DecoderStack::set_embedding_blocks)
+      .def("set_embedding_superblocks", &DecoderStack::set_embedding_superblocks)
+      .def("embed", &DecoderStack::embed)
+      .def("set_rotary", &DecoderStack::set_rotary)
+      .def("set_final_norm", &DecoderStack::set_final_norm)
+      .def("add_head_part", &DecoderStack::add_head_part)
+      .def("set_head_bias", &DecoderStack::set_head_bias)
+      .def("forward", &DecoderStack::forward)
+      .def("logits", &DecoderStack::logits);
 }

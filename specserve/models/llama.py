@@ -21,7 +21,8 @@ from kernels import native, ops
 from kernels.metadata import AttentionMetadata
 from specserve.kv_cache import KVCache
 from specserve.models.config import ModelConfig
-from specserve.models.linear import DirectModule, Projection, weights_generation
+from specserve.models.gguf import BlockWeight, SuperBlockWeight
+from specserve.models.linear import DirectModule, Projection, QuantizedEmbedding, weights_generation
 from specserve.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -141,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Projection(config.hidden_size, [config.vocab_size])
         self.rotary: RotaryEmbedding | None = None  # built after weights are loaded (not on meta)
         self.output_ids: torch.Tensor | None = None  # the tokens the LM head scores (None: all)
-        self._stack: tuple[int, torch.ScriptObject | None] | None = None  # (weights generation, stack)
+        # (weights generation, stack, whether it scores too: `_build_stack`)
+        self._stack: tuple[int, torch.ScriptObject | None, bool] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -159,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype,
                                       self.norm.weight.device)
+        self._stack = None  # a stack binds the tables
 
     def restrict_output_vocab(self, token_ids: torch.Tensor) -> None:
         """Score only `token_ids` (the rest get -inf logits): a draft model's LM head over its
@@ -189,6 +192,13 @@ class LlamaForCausalLM(nn.Module):
 
         `num_layers` stops after the first layers and applies the final norm and LM head there
         (early exit: the target's own cheap draft, reusing its cache for those layers)."""
+        if not hidden_at and num_layers in (None, self.config.num_layers) and self.output_ids is None:
+            stack = self._decoder_stack(input_ids.device, self.dtype, kv_cache, whole_step=True)
+            if stack is not None:
+                logits = stack.logits(input_ids, meta.positions, kv_cache.k, kv_cache.v, meta.slot_mapping,
+                                      meta.query_start_loc, meta.context_lens, meta.block_tables, meta.ancestor_mask,
+                                      self.layers[0].self_attn.scale, logits_indices)
+                return ForwardOutput(logits=logits, hidden={})
         normed, hidden = self.final_hidden(input_ids, meta, kv_cache, logits_indices, hidden_at, num_layers)
         return ForwardOutput(logits=self.score(normed), hidden=hidden)
 
@@ -234,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(meta.positions)
         x, delta = self.embed_tokens(input_ids), None
         count = len(range(self.config.num_layers)[:num_layers])  # slicing the ModuleList builds a new one
-        stack = self._decoder_stack(x, kv_cache)
+        stack = self._decoder_stack(x.device, x.dtype, kv_cache)
         start = 0
         for index in sorted(k for k in set(hidden_at) if k < count) if hidden is not None else ():
             x, delta = self._run(stack, x, delta, cos, sin, kv_cache, meta, start, index)
@@ -256,39 +266,61 @@ class LlamaForCausalLM(nn.Module):
                              meta.context_lens, meta.block_tables, meta.ancestor_mask,
                              self.layers[0].self_attn.scale, begin, end)
 
-    def _decoder_stack(self, x: torch.Tensor, kv_cache: KVCache) -> torch.ScriptObject | None:
+    def _decoder_stack(self, device: torch.device, dtype: torch.dtype, kv_cache: KVCache,
+                       whole_step: bool = False) -> torch.ScriptObject | None:
         """The layers as one C++ call (`native.decoder_stack`: the same ops, a fraction of the
-        per-op cost), where the layers would take exactly its path: fp32 on the CPU through our
-        attention kernel, every projection in quantized blocks. None elsewhere, or with
-        SPECSERVE_DECODER_STACK=0 (module by module, the same bits)."""
-        if (x.device.type != "cpu" or x.dtype != torch.float32
+        per-op cost), where the layers would take exactly its path: fp32 states on the CPU through
+        our attention kernel, every projection in quantized blocks. None elsewhere, or with
+        SPECSERVE_DECODER_STACK=0 (module by module, the same bits). `whole_step`: only a stack
+        that also holds the embedding, final norm and LM head (`DecoderStack.logits`), which
+        SPECSERVE_DECODER_STACK=layers leaves to the modules (the same bits)."""
+        setting = os.environ.get("SPECSERVE_DECODER_STACK")
+        if (device.type != "cpu" or dtype != torch.float32
                 or kv_cache.k.dtype not in (torch.float32, torch.bfloat16, torch.int8)
-                or ops.backend(x.device, torch.float32) != "cpu" or os.environ.get("SPECSERVE_DECODER_STACK") == "0"):
+                or ops.backend(device, torch.float32) != "cpu" or setting == "0"):
             return None
         generation = weights_generation()
         if self._stack is None or self._stack[0] != generation:
-            self._stack = (generation, self._build_stack())
+            self._stack = (generation, *self._build_stack())
+        if whole_step and (not self._stack[2] or setting == "layers"):
+            return None
         return self._stack[1]
 
-    def _build_stack(self) -> torch.ScriptObject | None:
+    def _build_stack(self) -> tuple[torch.ScriptObject | None, bool]:
+        """The stack over the layers' weights (None: a projection is not in quantized blocks), and
+        whether it also holds the embedding, final norm and LM head, which `forward` then leaves to
+        it too (an LM head in plain weights, or a bf16 embedding, stay here)."""
         layers = list(self.layers)
         slots = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                  for layer in layers]
-        if not layers or not all(p.quantized for projections in slots for p in projections):
-            return None
+        if not layers or not all(p.quantized and p.collective is None for projections in slots for p in projections):
+            return None, False  # (a tensor-parallel shard's sums over ranks happen in the modules)
         cfg = self.config
         stack = native.decoder_stack(len(layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         for index, (layer, projections) in enumerate(zip(layers, slots, strict=True)):
             stack.set_norms(index, layer.input_layernorm.weight.detach(),
                             layer.post_attention_layernorm.weight.detach())
             for slot, projection in enumerate(projections):
-                for weight in projection.quantized:
-                    op, args = weight.kernel_call()
-                    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-                    stack.add_part(index, slot, op.name(), tensors, list(args[len(tensors):]))
+                for op, tensors, ints in _kernel_calls(projection):
+                    stack.add_part(index, slot, op, tensors, ints)
                 if projection.fused_bias is not None:
                     stack.set_bias(index, slot, projection.fused_bias)
-        return stack
+        return stack, self._bind_ends(stack)
+
+    def _bind_ends(self, stack: torch.ScriptObject) -> bool:
+        """Bind the embedding, final norm and LM head to the stack where it can run them."""
+        head = self.lm_head
+        if not bind_embedding(stack, self.embed_tokens):
+            return False
+        if not head.quantized or head.collective is not None or self.rotary is None:
+            return False
+        stack.set_rotary(self.rotary.cos, self.rotary.sin)
+        stack.set_final_norm(self.norm.weight.detach())
+        for op, tensors, ints in _kernel_calls(head):
+            stack.add_head_part(op, tensors, ints)
+        if head.fused_bias is not None:
+            stack.set_head_bias(head.fused_bias)
+        return True
 
     def score(self, normed: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the whole vocabulary for final-normed hidden states."""
@@ -297,3 +329,31 @@ class LlamaForCausalLM(nn.Module):
             full = logits.new_full((logits.shape[0], self.config.vocab_size), -math.inf)
             logits = full.index_copy_(1, self.output_ids, logits)
         return logits
+
+
+def bind_embedding(stack: torch.ScriptObject, embedding: nn.Module) -> bool:
+    """Give the stack the model's token embeddings (`DecoderStack.embed`), in the form they are
+    kept: a float32 table, or GGUF blocks or super-blocks; False for any other."""
+    quantized = isinstance(embedding, QuantizedEmbedding) and embedding.dtype == torch.float32
+    if quantized and isinstance(embedding.blocks, BlockWeight):
+        w = embedding.blocks
+        stack.set_embedding_blocks(w.codes, w.scale, w.min, w.bits, w.group, w.zero_point)
+    elif quantized and isinstance(embedding.blocks, SuperBlockWeight):
+        w = embedding.blocks
+        stack.set_embedding_superblocks(w.codes, w.high, w.sub_scale, w.sub_min, w.d, w.dmin, w.bits)
+    elif isinstance(embedding, nn.Embedding) and embedding.weight.dtype == torch.float32:
+        stack.set_embedding_table(embedding.weight.detach())
+    else:
+        return False
+    return True
+
+
+def _kernel_calls(projection: Projection) -> list[tuple[str, list[torch.Tensor], list[int]]]:
+    """Each quantized weight of the projection as the stack binds it: its op's name, tensors, ints."""
+    calls = []
+    for weight in projection.quantized:
+        op, args = weight.kernel_call()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        calls.append((op.name(), tensors, list(args[len(tensors):])))
+    return calls
+
