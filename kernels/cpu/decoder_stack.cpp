@@ -291,24 +291,26 @@ class DecoderStack : public torch::CustomClassHolder {
   void super_block_row(int64_t id, float* row) const {
     const Embedding& e = embedding_;
     const int64_t blocks = e.scale.size(1), hidden = e.hidden(), subs = hidden / e.group;
+    const bool q6 = e.bits == 6;
     const uint8_t* codes = e.codes.data_ptr<uint8_t>() + id * (hidden / 2);
     const float* d = e.scale.data_ptr<float>() + id * blocks;
+    // The row's own pointers, once: Q6_K's top bits and int8 sub-scales; Q4_K's uint8 sub-scales,
+    // minimums and dmin
+    const uint8_t* high = q6 ? e.high.data_ptr<uint8_t>() + id * (hidden / 4) : nullptr;
+    const int8_t* signed_scales = q6 ? e.sub_scale.data_ptr<int8_t>() + id * subs : nullptr;
+    const uint8_t* scales = q6 ? nullptr : e.sub_scale.data_ptr<uint8_t>() + id * subs;
+    const uint8_t* mins = q6 ? nullptr : e.sub_min.data_ptr<uint8_t>() + id * subs;
+    const float* dmin = q6 ? nullptr : e.min.data_ptr<float>() + id * blocks;
     for (int64_t j = 0; j < hidden; ++j) {
       // Per 128 columns: 64 bytes of low bits (column k low nibble, k + 64 high); Q6_K's top two
       // bits in 32 bytes (byte b: columns b, b + 32, b + 64, b + 96 in bits 0-1, 2-3, 4-5, 6-7)
-      const int64_t chunk = j / 128, k = j % 128;
+      const int64_t chunk = j / 128, k = j % 128, s = j / e.group, b = j / kSuper;
       int32_t q = k < 64 ? codes[chunk * 64 + k] & 0x0F : codes[chunk * 64 + k - 64] >> 4;
-      const int64_t s = j / e.group;
-      if (e.bits == 6) {
-        const uint8_t* high = e.high.data_ptr<uint8_t>() + id * (hidden / 4);
+      if (q6) {
         q |= ((high[chunk * 32 + k % 32] >> (2 * (k / 32))) & 3) << 4;
-        const float scale = d[j / kSuper] * static_cast<float>(e.sub_scale.data_ptr<int8_t>()[id * subs + s]);
-        row[j] = (static_cast<float>(q) - 32.f) * scale;
-      } else {
-        const float scale = d[j / kSuper] * static_cast<float>(e.sub_scale.data_ptr<uint8_t>()[id * subs + s]);
-        const float min = e.min.data_ptr<float>()[id * blocks + j / kSuper] *
-                          static_cast<float>(e.sub_min.data_ptr<uint8_t>()[id * subs + s]);
-        row[j] = static_cast<float>(q) * scale - min;  // two roundings, as torch's mul_ then sub_
+        row[j] = (static_cast<float>(q) - 32.f) * (d[b] * static_cast<float>(signed_scales[s]));
+      } else {  // two roundings, as torch's mul_ then sub_
+        row[j] = static_cast<float>(q) * (d[b] * static_cast<float>(scales[s])) - dmin[b] * static_cast<float>(mins[s]);
       }
     }
   }
