@@ -20,7 +20,6 @@
 #include <cstring>
 
 #include "int8_rows.h"
-#include "prefetch_plan.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -621,12 +620,8 @@ void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor&
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   constexpr int kRows = tile_row_count<Bits>();
-  specserve::PrefetchPlan plan;
-  std::swap(plan, specserve::pending_prefetch());
-  const int64_t ahead = plan.lines();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      if (ahead > 0) plan.issue(t * ahead / tiles, (t + 1) * ahead / tiles);
       const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();
       const uint16_t* s = sp + t * groups * kTile;
       const uint16_t* mn = mp + t * groups * kTile;

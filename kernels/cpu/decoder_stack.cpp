@@ -16,8 +16,6 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "prefetch_plan.h"
-
 #include <optional>
 #include <string>
 #include <tuple>
@@ -217,7 +215,6 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == static_cast<int64_t>(layers_.size()),
                 "DecoderStack: caches must be [layers, blocks, block_size, kv_heads, head_dim]");
     const int64_t tokens = x.size(0);
-    const std::vector<std::pair<int64_t, int64_t>> context = prefetched_context(k_cache, context_lens, block_tables);
     at::Tensor h, dx = delta ? *delta : at::Tensor();
     for (int64_t i = begin; i < end; ++i) {
       const Layer& l = layers_[i];
@@ -229,9 +226,7 @@ class DecoderStack : public torch::CustomClassHolder {
                                                   ancestor_mask, scale);
       const at::Tensor o = l.projections[kO](attended.reshape({tokens, heads_ * head_dim_}));
       std::tie(x, h) = add_norm_.call(x, o, l.post_norm, eps_);
-      if (!context.empty() && i + 1 < end) plan_context(k_cache, v_cache, i + 1, context);
       const at::Tensor gate_up = l.projections[kGateUp](h);
-      specserve::pending_prefetch().clear();
       dx = l.projections[kDown](silu_mul_.call(gate_up));
     }
     if (!dx.defined()) return {x, std::nullopt};
@@ -243,43 +238,6 @@ class DecoderStack : public torch::CustomClassHolder {
                                                    const at::Tensor& weight) const {
     if (!delta.defined()) return {x, norm_.call(x, weight, eps_)};
     return add_norm_.call(x, delta, weight, eps_);
-  }
-
-  // The cached K/V rows every layer's attention reads in this step (each request's context, not
-  // the step's new rows), as (byte offset into a layer's cache, bytes): a block's rows of all K/V
-  // heads are contiguous. None where a layer's K and V together exceed kPrefetchBytes: a batch's
-  // contexts do not stay in cache from the matmul to the attention, and prefetching 10 MB of them
-  // made 16 decodes over 400 keys 5-12% slower (one decode over 1000 keys: 8-9% faster).
-  static constexpr int64_t kPrefetchBytes = int64_t{2} << 20;
-
-  static std::vector<std::pair<int64_t, int64_t>> prefetched_context(const at::Tensor& cache,
-                                                                     const at::Tensor& context_lens,
-                                                                     const at::Tensor& block_tables) {
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    const int64_t block_size = cache.size(2), row_bytes = cache.stride(2) * cache.element_size();
-    const at::Tensor ctx = context_lens.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
-    const int64_t* cp = ctx.data_ptr<int64_t>();
-    const int64_t* tp = tables.data_ptr<int64_t>();
-    for (int64_t b = 0; b < ctx.numel(); ++b)
-      for (int64_t p = 0; p < cp[b]; p += block_size)
-        ranges.emplace_back(tp[b * tables.size(1) + p / block_size] * cache.stride(1) * cache.element_size(),
-                            std::min(block_size, cp[b] - p) * row_bytes);
-    int64_t bytes = 0;
-    for (const auto& range : ranges) bytes += 2 * range.second;
-    if (bytes > kPrefetchBytes) ranges.clear();
-    return ranges;
-  }
-
-  // Layer `layer`'s part of `prefetched_context`, K then V, as the next matmul's prefetch plan.
-  static void plan_context(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
-                           const std::vector<std::pair<int64_t, int64_t>>& context) {
-    specserve::PrefetchPlan& plan = specserve::pending_prefetch();
-    plan.clear();
-    const int64_t layer_bytes = k_cache.stride(0) * k_cache.element_size();
-    const char* k = static_cast<const char*>(k_cache.data_ptr()) + layer * layer_bytes;
-    const char* v = static_cast<const char*>(v_cache.data_ptr()) + layer * layer_bytes;
-    for (const auto& [offset, bytes] : context) plan.add(k + offset, bytes);
-    for (const auto& [offset, bytes] : context) plan.add(v + offset, bytes);
   }
 
   // Layer i's K and V caches: views made once per cache tensor (a decode would make sixty a step).

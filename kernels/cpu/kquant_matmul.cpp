@@ -23,7 +23,6 @@
 #include <cstdint>
 
 #include "int8_rows.h"
-#include "prefetch_plan.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -580,12 +579,8 @@ void ktiled_impl(const SuperActivations& a, const at::Tensor& codes, const at::T
   const float* dmp = Bits == 4 ? dmin.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   constexpr int kRows = ktile_row_count<Bits>();
-  specserve::PrefetchPlan plan;
-  std::swap(plan, specserve::pending_prefetch());
-  const int64_t plan_lines = plan.lines();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      if (plan_lines > 0) plan.issue(t * plan_lines / tiles, (t + 1) * plan_lines / tiles);
       const uint8_t* c = cp + t * blocks * tile_code_bytes<Bits>();
       const uint8_t* s = sp + t * blocks * kTileScaleBytes;
       const float* dt = dp + t * blocks * kTile;

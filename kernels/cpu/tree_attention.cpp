@@ -30,6 +30,23 @@ namespace {
 
 using c10::BFloat16;
 
+#if defined(__AVX2__)
+// K (or V) rows this many keys ahead are prefetched into L2 (T2), not L1: a step's weights have
+// streamed through every cache since the last step read its K/V, so they arrive cold, and loads
+// waiting on DRAM one row after another left the attention latency-bound (on AMD EPYC Zen 4,
+// 16 decodes over 500 keys spent most of a step there). Into L1 (T0) the same prefetches gained
+// nothing: they held the few L1 misses in flight that the loads themselves needed.
+constexpr int64_t kAheadKeys = 16;
+
+// Always inlined: GCC deletes an out-of-line call to a function that only prefetches (it did
+// so to the tiled matmuls' helper, kernels/cpu/block_matmul.cpp).
+template <typename T>
+__attribute__((always_inline)) inline void prefetch_row(const T* row, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t at = 0; at < elements * static_cast<int64_t>(sizeof(T)); at += 64) _mm_prefetch(bytes + at, _MM_HINT_T2);
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const BFloat16* p) {  // bf16 is fp32's upper half: widening is exact
@@ -48,6 +65,8 @@ void scores_of(const float* q, const T* k, int64_t row_stride, const int64_t* sl
   // Sixteen keys at a time, their sums reduced together: a decode's attention 0.30-0.72x of one
   // key at a time (benchmarks/results/cpu-attention-avx512.md).
   for (; i + 16 <= keys; i += 16) {
+    for (int64_t r = i + kAheadKeys; r < std::min(keys, i + kAheadKeys + 16); ++r)
+      prefetch_row(k + slots[r] * row_stride, C * 16);
     for (int64_t h = 0; h < heads; ++h) {
       __m512 qh[C], acc[16];
       for (int c = 0; c < C; ++c) qh[c] = _mm512_loadu_ps(q + h * C * 16 + 16 * c);
@@ -81,6 +100,7 @@ void values_of(const float* scores, int64_t stride, const T* v, int64_t row_stri
     for (int h = 0; h < kHeads; ++h)
       for (int c = 0; c < C; ++c) acc[h][c] = h < n ? _mm512_loadu_ps(out + (h0 + h) * C * 16 + 16 * c) : _mm512_setzero_ps();
     for (int64_t i = 0; i < keys; ++i) {
+      if (h0 == 0 && i + kAheadKeys < keys) prefetch_row(v + slots[i + kAheadKeys] * row_stride, C * 16);
       const T* vrow = v + slots[i] * row_stride;
       __m512 vv[C];
       for (int c = 0; c < C; ++c) vv[c] = load16(vrow + 16 * c);
@@ -137,6 +157,8 @@ void scores_of(const float* q, const T* k, int64_t row_stride, const int64_t* sl
   const __m256 factor = _mm256_set1_ps(scale);
   int64_t i = 0;
   for (; i + 8 <= keys; i += 8) {
+    for (int64_t r = i + kAheadKeys; r < std::min(keys, i + kAheadKeys + 8); ++r)
+      prefetch_row(k + slots[r] * row_stride, C * 16);
     const T* krows[8];
     for (int r = 0; r < 8; ++r) krows[r] = k + slots[i + r] * row_stride;
     for (int64_t h = 0; h < heads; ++h) {
@@ -170,6 +192,7 @@ void value_passes(const float* scores, int64_t stride, const T* v, int64_t row_s
     for (int h = 0; h < NH; ++h)
       for (int c = 0; c < W; ++c) acc[h][c] = _mm256_loadu_ps(out + (h0 + h) * C * 16 + 8 * (c0 + c));
     for (int64_t i = 0; i < keys; ++i) {
+      if (h0 == 0 && c0 == 0 && i + kAheadKeys < keys) prefetch_row(v + slots[i + kAheadKeys] * row_stride, C * 16);
       const T* vrow = v + slots[i] * row_stride + 8 * c0;
       __m256 vv[W];
       for (int c = 0; c < W; ++c) vv[c] = load8(vrow + 8 * c);
