@@ -35,16 +35,22 @@ def test_the_build_names_its_instruction_path():
     assert isa() in {"avx512-vnni", "avx2+vnni", "avx2", "portable"}
 
 
-def tile_functions(library: Path) -> dict[str, str]:
-    """The tiled kernel's functions in `library` (demangled name: disassembly) that multiply codes."""
+def functions_using(library: Path, names: tuple[str, ...], instructions: str) -> dict[str, str]:
+    """The functions in `library` (demangled name: disassembly) whose name holds one of `names`
+    and whose code uses an instruction matching the pattern `instructions`."""
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True,
                              text=True, check=True).stdout
     functions = {}
     for body in re.split(r"\n(?=[0-9a-f]+ <)", listing):
         name = body.split("\n", 1)[0]
-        if ("tile_rows<" in name or "tiled_impl<" in name) and re.search(r"\b(vpdpbusd|vpmaddubsw)\b", body):
+        if any(part in name for part in names) and re.search(rf"\b({instructions})\b", body):
             functions[name] = body
     return functions
+
+
+def tile_functions(library: Path) -> dict[str, str]:
+    """The tiled kernel's functions in `library` that multiply codes."""
+    return functions_using(library, ("tile_rows<", "tiled_impl<"), "vpdpbusd|vpmaddubsw")
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
