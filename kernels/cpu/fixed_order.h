@@ -99,26 +99,7 @@ inline float exp_poly(float x) {  // the same steps as the vector paths below, o
 }
 
 inline void exp_in_place(float* x, int64_t n) {
-#if defined(__AVX512F__)
-  // The AVX2 path's steps, lane for lane, sixteen lanes at a time (the same bits).
-  const __m512 lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 c1 = _mm512_set1_ps(-0.693359375f), c2 = _mm512_set1_ps(2.12194440e-4f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + i), lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(k, c1, v);
-    r = _mm512_fmadd_ps(k, c2, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    _mm512_storeu_ps(x + i, _mm512_mul_ps(y, _mm512_castsi512_ps(bits)));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
   const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f);
   const __m256 c1 = _mm256_set1_ps(-0.693359375f), c2 = _mm256_set1_ps(2.12194440e-4f);
   for (int64_t i = 0; i < n; i += 8) {
