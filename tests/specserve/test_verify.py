@@ -177,6 +177,24 @@ def test_batched_greedy_verification_equals_the_oracle_tree_by_tree(penalties):
                     assert lp == pytest.approx(want_lp, abs=1e-5) and [t for t, _ in top] == [t for t, _ in want_top]
 
 
+def test_batched_plain_greedy_verification_equals_the_oracle_tree_by_tree():
+    """Greedy trees without penalties or logprobs (a greedy server's every step) take the shortest
+    way through `verify_batch`: the same verdicts as `verify`, tree by tree."""
+    from specserve.verify import Candidate, verify_batch
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 6
+    row = SamplingRow(SamplingParams(temperature=0), [0], [1])
+    for _ in range(30):
+        trees = [random_tree(gen, vocab, int(torch.randint(1, 12, (), generator=gen)))
+                 for _ in range(int(torch.randint(1, 9, (), generator=gen)))]
+        logits = [torch.randn(len(tree), vocab, generator=gen) * 3 for tree in trees]
+        verdicts = verify_batch([Candidate(tree, row) for tree in trees], torch.cat(logits))
+        for tree, rows, got in zip(trees, logits, verdicts, strict=True):
+            want = verify(tree, rows, row)
+            assert (got.path, got.tokens, got.error, got.logprobs) == (want.path, want.tokens, None, None)
+
+
 def batched_prefixes(params: SamplingParams, draws: int, seed: int, batch: int = 64) -> torch.Tensor:
     """`draws` runs of `speculative_prefix`, `batch` at a time in lockstep through `verify_batch`,
     half of them with sampled drafts and half with deterministic ones (both exact)."""
