@@ -20,6 +20,7 @@
 #include <cstring>
 
 #include "int8_rows.h"
+#include "scratch.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -29,10 +30,10 @@ namespace {
 
 constexpr int64_t kActBlock = 32;  // activation quantization block (one int8 scale each)
 
-// The int8 activations and their per-block numbers, in one allocation read through raw pointers
-// (a decode makes a hundred small matmuls a step: allocations and tensor accessors add up).
+// The int8 activations and their per-block numbers, in the calling thread's scratch (scratch.h),
+// read through raw pointers, valid until that thread quantizes again: a decode makes a hundred
+// small matmuls a step, and allocations and tensor accessors added up.
 struct Activations {
-  at::Tensor storage;
   int64_t M, K;
   int8_t* q;      // [M, K]
   float* scale;   // [M, K / 32]
@@ -63,10 +64,10 @@ Activations quantize_activations(const at::Tensor& x, int64_t group, bool lanes)
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t scales = M * (K / kActBlock), sums = M * (K / group), lane_count = lanes ? M * (K / 4) : 0;
   const int64_t floats = scales + sums + lane_count;
-  at::Tensor storage = at::empty({floats * static_cast<int64_t>(sizeof(float)) + M * K}, at::kByte);
-  float* f = reinterpret_cast<float*>(storage.data_ptr<uint8_t>());
-  Activations a{storage, M, K, reinterpret_cast<int8_t*>(f + floats), f, f + scales,
-                lanes ? f + scales + sums : nullptr};
+  thread_local specserve::AlignedVector<float> storage;
+  storage.resize(floats + (M * K + 3) / 4);
+  float* f = storage.data();
+  Activations a{M, K, reinterpret_cast<int8_t*>(f + floats), f, f + scales, lanes ? f + scales + sums : nullptr};
   float* lp = a.lanes;
   const float* xp = x.data_ptr<float>();
   int8_t* qp = a.q;

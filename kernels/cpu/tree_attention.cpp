@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "fixed_order.h"
+#include "scratch.h"
 #include "kv_int8.h"
 
 namespace {
@@ -242,20 +243,7 @@ void values_of(const float* scores, int64_t stride, const T* v, int64_t row_stri
 #define TREE_ATTENTION_VECTOR 1
 #endif
 
-// fp32 scratch on 64-byte boundaries: a buffer's alignment otherwise fell where malloc put it,
-// and 512-bit loads across cache lines made the int8 path's prompts 10-14% slower or faster by that.
-template <typename T>
-struct Aligned64 {
-  using value_type = T;
-  Aligned64() = default;
-  template <typename U>
-  Aligned64(const Aligned64<U>&) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const Aligned64&) const { return true; }
-  bool operator!=(const Aligned64&) const { return false; }
-};
-using Buffer = std::vector<float, Aligned64<float>>;
+using Buffer = specserve::AlignedVector<float>;  // fp32 scratch (see scratch.h)
 
 // n values of T as fp32 (an item's query rows, or one K or V row on the portable path): the
 // values themselves for fp32, else widened (exactly) into `staged`.
