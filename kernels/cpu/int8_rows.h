@@ -25,24 +25,6 @@ inline __m256i broadcast_word(const int8_t* x, int k) {
 inline float quantize_int8_block(const float* x, int64_t n, int8_t* q) {
   float amax = 0.f;
   int64_t j = 0;
-#if defined(__AVX512F__)
-  // Sixteen lanes at a time where n allows: the same maximum, and cvtps2dq rounds as nearbyint
-  // does (to nearest, ties to even); vpmovdb keeps each code's low byte as the scalar cast does
-  // (the codes are within +-127; a NaN's 0x80000000 becomes 0 either way), where the rounding
-  // loop below took about two cycles per input.
-  if (n % 16 == 0) {
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    __m512 m = _mm512_setzero_ps();
-    for (; j < n; j += 16) m = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(x + j), magnitude), m);
-    amax = _mm512_reduce_max_ps(m);
-    const float d = amax / 127.f;
-    const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
-    for (j = 0; j < n; j += 16)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j),
-                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), id))));
-    return d;
-  }
-#endif
 #if defined(__AVX2__)
   // The maximum of |x| is the same whatever the order; the scalar loop's fmax was a libm call per
   // input. max_ps(v, m) keeps m where v is NaN, as fmax(amax, NaN) keeps amax.
