@@ -373,8 +373,8 @@ std::vector<int64_t> balanced_ranges(const int64_t* starts, const int64_t* conte
 // A thread's buffers, kept from call to call (moved out for the call and back: a thread_local
 // used in place made every push to it a store and a load, 4-8% of a 1024-token prompt's time):
 // made afresh per call, they cost ~25 allocations per layer (a token's visible slots grew a push
-// at a time; cpu_attention.py --against on Zen 4: 16 decodes over 512 keys 0.59x the time with
-// them kept, an 8-node tree 0.96x). Every use sizes or refills them first.
+// at a time; cpu_attention.py --against on Zen 4: 16 fp32 decodes over 512 keys 0.57x the time
+// with them kept, an 8-node tree 0.93x). Every use sizes or refills them first.
 struct Scratch {
   std::vector<int64_t> slots;  // the visible keys of token `slots_of`, shared by its items
   Buffer scores;  // [heads of the part][keys + kExpPad]
@@ -402,8 +402,10 @@ void attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, co
   T* op = out.data_ptr<T>();
 
   // The request of each flat token (tokens of request b are [start[b], start[b + 1])).
-  thread_local std::vector<int64_t> requests;  // (see Scratch)
-  std::vector<int64_t>& request = requests;  // this thread's, wherever the items run (a thread_local's name is each thread's own)
+  // Kept from call to call (see Scratch), and read through a reference: inside the items' lambda
+  // a thread_local's own name would be the running thread's copy.
+  thread_local std::vector<int64_t> requests;
+  std::vector<int64_t>& request = requests;
   request.resize(tokens);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = sp[b]; t < sp[b + 1]; ++t) request[t] = b;
