@@ -186,7 +186,7 @@ def _plain_greedy(candidates: Sequence[Candidate], logits: torch.Tensor) -> list
     """Every candidate greedy without penalties or logprobs (a greedy server's every step): each
     node's argmax read back at once, each tree followed on the host. The general path's verdicts,
     with a fraction of its calls: right after a forward the caches are cold, and there each
-    torch call costs several times what it does warm (a batch-1 decode step spent ~0.3 ms here)."""
+    torch call costs several times what it does warm (a batch-1 decode step: 220-300 us that way, 137 us this)."""
     argmax = argmax_rows(logits.float())[1].tolist()
     verdicts, base = [], 0
     for c in candidates:
