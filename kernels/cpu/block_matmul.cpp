@@ -61,15 +61,18 @@ Activations quantize_activations(const at::Tensor& x, int64_t group, bool lanes)
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < K / kActBlock; ++b) {
-        int8_t* qb = qp + m * K + b * kActBlock;
-        const float d = specserve::quantize_int8_block(xp + m * K + b * kActBlock, kActBlock, qb);
+        int32_t halves[2];  // the block's code sums, inputs 0-15 and 16-31
+        const float d = specserve::quantize_int8_sums16(xp + m * K + b * kActBlock, kActBlock, qp + m * K + b * kActBlock,
+                                                        halves);
         sp[m * (K / kActBlock) + b] = d;
         if (lp != nullptr)
           for (int j = 0; j < kActBlock / 4; ++j) lp[m * (K / 4) + b * (kActBlock / 4) + j] = d;
-        for (int64_t g = 0; g < kActBlock / group; ++g) {
-          int32_t s = 0;
-          for (int64_t j = 0; j < group; ++j) s += qb[g * group + j];
-          sump[m * (K / group) + b * (kActBlock / group) + g] = d * static_cast<float>(s);
+        float* block_sums = sump + m * (K / group) + b * (kActBlock / group);
+        if (group == kActBlock) {
+          block_sums[0] = d * static_cast<float>(halves[0] + halves[1]);
+        } else {  // groups of 16
+          block_sums[0] = d * static_cast<float>(halves[0]);
+          block_sums[1] = d * static_cast<float>(halves[1]);
         }
       }
     }

@@ -67,11 +67,11 @@ SuperActivations quantize_rows(const at::Tensor& x, int64_t sub) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
         int8_t* qb = qp + m * K + b * kSuper;
-        sp[m * blocks + b] = specserve::quantize_int8_block(xp + m * K + b * kSuper, kSuper, qb);
-        int32_t totals[16];
+        int32_t sums16[kSuper / 16], totals[kSuper / 16];
+        sp[m * blocks + b] = specserve::quantize_int8_sums16(xp + m * K + b * kSuper, kSuper, qb, sums16);
         for (int64_t s = 0; s < kSuper / sub; ++s) {
           int32_t total = 0;
-          for (int64_t j = 0; j < sub; ++j) total += qb[s * sub + j];
+          for (int64_t j = 0; j < sub / 16; ++j) total += sums16[s * (sub / 16) + j];
           sums[m * (K / sub) + b * (kSuper / sub) + s] = static_cast<float>(total);
           totals[s] = total;
         }
