@@ -43,7 +43,7 @@ import torch
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp",
                         "sampling_rows.cpp", "activation.cpp", "decoder_stack.cpp")]
-HEADERS = [SOURCES[0].parent / name for name in ("fixed_order.h", "int8_rows.h", "kv_int8.h", "scratch.h")]
+HEADERS = [SOURCES[0].parent / name for name in ("fixed_order.h", "int8_rows.h", "kv_int8.h", "scratch.h", "silu.h")]
 log = logging.getLogger(__name__)
 
 
@@ -143,6 +143,13 @@ def tiled_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min:
                  bits: int) -> torch.Tensor:
     load()
     return torch.ops.specserve_cpu.tiled_matmul(x, codes, scale, min, bits)
+
+
+def tiled_swiglu(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor,
+                 bits: int) -> torch.Tensor:
+    """`silu_mul(tiled_matmul(x, ...))` in one op, the same bits (tiles: gate's, then as many of up's)."""
+    load()
+    return torch.ops.specserve_cpu.tiled_swiglu(x, codes, scale, min, bits)
 
 
 def kquant_matmul(

@@ -2,12 +2,10 @@
 // torch needs a silu, a product and their two allocations (~12 us per layer of a SmolLM2 decode
 // on a 2-core AVX2 host, for 1536 products).
 //
-// Same arithmetic as torch's `F.silu(gate) * up` where torch runs its AVX2 code, so the same bits:
-// per row, runs of 16 inputs as x / (1 + exp(-x)) with SLEEF's AVX2 exp (the one torch's
-// vectorized silu calls), the rest of the row with std::exp (torch's scalar tail), then one
-// rounded product with `up`. (torch's AVX-512 code takes runs of 32 with its 16-wide exp: there
-// the last bit may differ now and then. The decoder stack and the layers one by one both call
-// this op, so they agree with each other on every CPU.)
+// Same arithmetic as torch's `F.silu(gate) * up` where torch runs its AVX2 code (silu.h), so the
+// same bits. (torch's AVX-512 code takes runs of 32 with its 16-wide exp: there the last bit may
+// differ now and then. The decoder stack and the layers one by one both compute it with silu.h,
+// so they agree with each other on every CPU.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,32 +13,11 @@
 #include <algorithm>
 #include <cmath>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#include <sleef.h>
-#endif
+#include "silu.h"
 
 namespace {
 
-#if defined(__AVX2__)
-inline void silu_mul8(const float* gate, const float* up, float* out) {
-  const __m256 x = _mm256_loadu_ps(gate);
-  const __m256 e = Sleef_expf8_u10avx2(_mm256_xor_ps(x, _mm256_set1_ps(-0.f)));  // exp(-x)
-  const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-  _mm256_storeu_ps(out, _mm256_mul_ps(silu, _mm256_loadu_ps(up)));
-}
-#endif
-
-void silu_mul_row(const float* gate, const float* up, int64_t width, float* out) {
-  int64_t i = 0;
-#if defined(__AVX2__)
-  for (; i + 16 <= width; i += 16) {  // torch's vectorized loop takes two vectors at a time
-    silu_mul8(gate + i, up + i, out + i);
-    silu_mul8(gate + i + 8, up + i + 8, out + i + 8);
-  }
-#endif
-  for (; i < width; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-}
+using specserve::silu_mul_row;
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,

@@ -15,12 +15,14 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "int8_rows.h"
 #include "scratch.h"
+#include "silu.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -642,26 +644,79 @@ void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor&
   });
 }
 
-at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
-                        int64_t bits) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "tiled_matmul: x must be a 2-D float32 tensor");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "tiled_matmul: bits must be 4, 5 or 8 (codes up to 8 bits in bytes)");
+// SwiGLU over a gate/up projection's tiles (gate's outputs in the first half, up's in the
+// second): each thread takes gate tile p with up tile p and writes silu(gate) * up for those 16
+// outputs (silu.h), where the separate op read the whole [T, 2 * width] product again, split
+// by rows so that half of it came from the other core's cache, after a join of its own.
+template <int Bits>
+void tiled_swiglu_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                       at::Tensor& y) {
+  const int64_t M = a.M, pairs = codes.size(0) / 2, groups = codes.size(1), width = pairs * kTile;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
+  float* yp = y.data_ptr<float>();
+  constexpr int kRows = tile_row_count<Bits>();
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    thread_local specserve::AlignedVector<float> both;  // [M][gate's 16 | up's 16]
+    both.resize(M * 2 * kTile);
+    float* bp = both.data();
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t t = p + half * pairs;
+        const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();
+        const uint16_t* s = sp + t * groups * kTile;
+        const uint16_t* mn = mp + t * groups * kTile;
+        specserve::for_row_tiles<kRows>(M, [&](auto rows, int64_t m) {
+          tile_rows<Bits, decltype(rows)::value>(c, s, mn, groups, a, m, bp + m * 2 * kTile + half * kTile, 2 * kTile);
+        });
+      }
+      for (int64_t m = 0; m < M; ++m)
+        specserve::silu_mul_row(bp + m * 2 * kTile, bp + m * 2 * kTile + kTile, kTile, yp + m * width + p * kTile);
+    }
+  });
+}
+
+// The argument checks of the tiled ops, and their contiguous tensors.
+std::array<at::Tensor, 4> tiled_arguments(const char* op, const at::Tensor& x, const at::Tensor& codes,
+                                          const at::Tensor& scale, const at::Tensor& min, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be a 2-D float32 tensor");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, op, ": bits must be 4, 5 or 8 (codes up to 8 bits in bytes)");
   const int64_t K = x.size(1);
   const int64_t group_bytes = bits == 4 ? 256 : bits == 5 ? 320 : 512;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && K % 32 == 0 && codes.size(1) == K / 32 &&
                   codes.size(2) == group_bytes,
-              "tiled_matmul: codes [N / 16, K / 32, ", group_bytes, "] do not fit ", K, " inputs");
+              op, ": codes [N / 16, K / 32, ", group_bytes, "] do not fit ", K, " inputs");
   const int64_t tiles = codes.size(0);
   TORCH_CHECK(scale.sizes() == at::IntArrayRef({tiles, K / 32, kTile}) && min.sizes() == scale.sizes() &&
                   scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf,
-              "tiled_matmul: scale and min must be float16 [N / 16, K / 32, 16]");
-  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), mc = min.contiguous();
-  at::Tensor y = at::empty({x.size(0), tiles * kTile}, x.options());
-  if (x.size(0) == 0 || tiles == 0) return y;
+              op, ": scale and min must be float16 [N / 16, K / 32, 16]");
+  return {x.contiguous(), codes.contiguous(), scale.contiguous(), min.contiguous()};
+}
+
+at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                        int64_t bits) {
+  const auto [xc, cc, sc, mc] = tiled_arguments("tiled_matmul", x, codes, scale, min, bits);
+  at::Tensor y = at::empty({x.size(0), cc.size(0) * kTile}, x.options());
+  if (x.size(0) == 0 || cc.size(0) == 0) return y;
   const Activations a = quantize_activations(xc, 32, false);
   if (bits == 4) tiled_impl<4>(a, cc, sc, mc, y);
   else if (bits == 5) tiled_impl<5>(a, cc, sc, mc, y);
   else tiled_impl<8>(a, cc, sc, mc, y);
+  return y;
+}
+
+// silu_mul(tiled_matmul(x, ...)) in one op, the same bits: [T, N / 2] for N outputs (gate's, then up's).
+at::Tensor tiled_swiglu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
+                        int64_t bits) {
+  const auto [xc, cc, sc, mc] = tiled_arguments("tiled_swiglu", x, codes, scale, min, bits);
+  TORCH_CHECK(cc.size(0) % 2 == 0, "tiled_swiglu: gate and up need as many tiles each, got ", cc.size(0), " tiles");
+  at::Tensor y = at::empty({x.size(0), cc.size(0) / 2 * kTile}, x.options());
+  if (x.size(0) == 0 || cc.size(0) == 0) return y;
+  const Activations a = quantize_activations(xc, 32, false);
+  if (bits == 4) tiled_swiglu_impl<4>(a, cc, sc, mc, y);
+  else if (bits == 5) tiled_swiglu_impl<5>(a, cc, sc, mc, y);
+  else tiled_swiglu_impl<8>(a, cc, sc, mc, y);
   return y;
 }
 
@@ -683,12 +738,14 @@ std::string isa() {
 TORCH_LIBRARY(specserve_cpu, m) {
   m.def("block_matmul(Tensor x, Tensor codes, Tensor scale, Tensor min, int bits, int group) -> Tensor");
   m.def("tiled_matmul(Tensor x, Tensor codes, Tensor scale, Tensor min, int bits) -> Tensor");
+  m.def("tiled_swiglu(Tensor x, Tensor codes, Tensor scale, Tensor min, int bits) -> Tensor");
   m.def("isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
   m.impl("block_matmul", &block_matmul);
   m.impl("tiled_matmul", &tiled_matmul);
+  m.impl("tiled_swiglu", &tiled_swiglu);
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CatchAll, m) { m.impl("isa", &isa); }

@@ -69,6 +69,7 @@ enum Slot : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 struct Layer {
   at::Tensor input_norm, post_norm;
   Projection projections[4];
+  std::optional<Part> swiglu;  // silu_mul of the gate/up projection in one op, where its weight has one
 };
 
 using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
@@ -102,6 +103,11 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   void set_bias(int64_t layer, int64_t slot, at::Tensor bias) { projection(layer, slot).bias = std::move(bias); }
+
+  // `layer`'s silu_mul(gate/up projection) as one op over that projection's weight (the same bits).
+  void set_swiglu(int64_t layer, const std::string& op, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
+    at(layer).swiglu = Part{handle(op.c_str()), std::move(tensors), std::move(ints)};
+  }
 
   // Token embeddings as a float32 table [vocab, hidden] (read as `F.embedding` reads it).
   void set_embedding_table(at::Tensor table) {
@@ -226,8 +232,7 @@ class DecoderStack : public torch::CustomClassHolder {
                                                   ancestor_mask, scale);
       const at::Tensor o = l.projections[kO](attended.reshape({tokens, heads_ * head_dim_}));
       std::tie(x, h) = add_norm_.call(x, o, l.post_norm, eps_);
-      const at::Tensor gate_up = l.projections[kGateUp](h);
-      dx = l.projections[kDown](silu_mul_.call(gate_up));
+      dx = l.projections[kDown](l.swiglu ? (*l.swiglu)(h) : silu_mul_.call(l.projections[kGateUp](h)));
     }
     if (!dx.defined()) return {x, std::nullopt};
     return {x, dx};
@@ -348,6 +353,7 @@ TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
       .def("set_norms", &DecoderStack::set_norms)
       .def("add_part", &DecoderStack::add_part)
       .def("set_bias", &DecoderStack::set_bias)
+      .def("set_swiglu", &DecoderStack::set_swiglu)
       .def("set_embedding_table", &DecoderStack::set_embedding_table)
       .def("set_embedding_blocks", &DecoderStack::set_embedding_blocks)
       .def("set_embedding_superblocks", &DecoderStack::set_embedding_superblocks)

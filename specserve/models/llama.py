@@ -305,6 +305,9 @@ class LlamaForCausalLM(nn.Module):
                     stack.add_part(index, slot, op, tensors, ints)
                 if projection.fused_bias is not None:
                     stack.set_bias(index, slot, projection.fused_bias)
+            swiglu = _swiglu_call(layer.mlp.gate_up_proj)
+            if swiglu is not None:
+                stack.set_swiglu(index, *swiglu)
         return stack, self._bind_ends(stack)
 
     def _bind_ends(self, stack: torch.ScriptObject) -> bool:
@@ -346,6 +349,16 @@ def bind_embedding(stack: torch.ScriptObject, embedding: nn.Module) -> bool:
     else:
         return False
     return True
+
+
+def _swiglu_call(gate_up: Projection) -> tuple[str, list[torch.Tensor], list[int]] | None:
+    """`native.silu_mul` of the gate/up projection as one op (`tiled_swiglu`: the same bits), where
+    it is one weight in tiles, gate's outputs then up's (None: the two ops)."""
+    calls = _kernel_calls(gate_up)
+    if len(calls) != 1 or gate_up.fused_bias is not None or calls[0][0] != "specserve_cpu::tiled_matmul":
+        return None
+    _, tensors, ints = calls[0]
+    return ("specserve_cpu::tiled_swiglu", tensors, ints) if tensors[0].shape[0] % 2 == 0 else None
 
 
 def _kernel_calls(projection: Projection) -> list[tuple[str, list[torch.Tensor], list[int]]]:

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.native import isa, kquant_matmul, kquant_tiled_matmul, library_path, tiled_matmul
+from kernels.native import (
+    isa,
+    kquant_matmul,
+    kquant_tiled_matmul,
+    library_path,
+    silu_mul,
+    tiled_matmul,
+    tiled_swiglu,
+)
 from specserve.models.gguf import decode_blocks, tile_blocks, tile_super_blocks, tiled_bits
 from tests.specserve.models.test_gguf import random_blocks
 
@@ -122,6 +130,25 @@ def test_the_tiled_layout_computes_what_the_blocks_do(type_name):
                        tiled)
     # the file's bytes per 32 weights and at most an fp16 minimum more (4- and 5-bit codes packed)
     assert sum(t.numel() * t.element_size() for t in tiles) <= 32 * 160 * {4: 20, 5: 24, 8: 36}[weight.bits] // 32
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_the_tiled_swiglu_is_silu_mul_of_the_tiled_product(type_name, rows):
+    """The decoder stack's gate/up projection and SwiGLU in one op: the two ops' very bits."""
+    weight = decode_blocks(random_blocks(type_name, 64, 160), type_name, 64)  # gate's 32 outputs, then up's
+    tiles = tile_blocks(weight.values(), weight.scale, weight.min, weight.bits)
+    x = torch.randn(rows, 160) * 4
+    fused = tiled_swiglu(x, *tiles, tiled_bits(weight.bits))
+    assert fused.shape == (rows, 32)
+    assert torch.equal(fused, silu_mul(tiled_matmul(x, *tiles, tiled_bits(weight.bits))))
+
+
+def test_the_tiled_swiglu_needs_as_many_up_tiles_as_gate_tiles():
+    weight = decode_blocks(random_blocks("Q4_1", 48, 64), "Q4_1", 48)
+    tiles = tile_blocks(weight.values(), weight.scale, weight.min, weight.bits)
+    with pytest.raises(RuntimeError, match="as many tiles"):
+        tiled_swiglu(torch.randn(2, 64), *tiles, tiled_bits(weight.bits))
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])

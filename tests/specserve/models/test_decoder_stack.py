@@ -12,7 +12,7 @@ from specserve.kv_cache import KVCache
 from specserve.model_runner import ModelRunner, TreeRequest
 from specserve.models.gguf import BlockWeight, decode_blocks
 from specserve.models.linear import QuantizedEmbedding, weights_changed
-from specserve.models.llama import bind_embedding
+from specserve.models.llama import _swiglu_call, bind_embedding
 from specserve.models.loader import load_model
 from specserve.tree import TokenTree
 from tests.specserve.models.test_gguf import LAYOUTS, random_blocks
@@ -48,6 +48,15 @@ def test_the_stack_computes_the_bits_of_the_layers_one_by_one(tiny_checkpoint, m
         one_by_one = steps(model)
     for got, expected in zip(stacked, one_by_one, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_the_stack_runs_the_gate_up_projection_and_swiglu_as_one_op_over_tiles(tiny_checkpoint):
+    # (what the test above then holds to the modules' bits: their two ops)
+    model = load_model(tiny_checkpoint("llama", seed=2, tie_word_embeddings=False), quantization="int4")
+    gate_up = model.layers[0].mlp.gate_up_proj
+    if gate_up.quantized[0].tiles() is None:
+        pytest.skip(f"no tiles on this CPU ({native.isa()})")
+    assert _swiglu_call(gate_up)[0] == "specserve_cpu::tiled_swiglu"
 
 
 def test_new_weights_build_a_new_stack(tiny_checkpoint, monkeypatch):
