@@ -622,25 +622,34 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
 }
 #endif
 
+// A tiled weight (`tiled_matmul`'s codes, scales and minimums) as its kernels read it.
 template <int Bits>
-void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
-                at::Tensor& y) {
-  const int64_t M = a.M, tiles = codes.size(0), groups = codes.size(1), N = tiles * kTile;
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
+struct Tiles {
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* min;
+  int64_t count, groups;
+
+  Tiles(const at::Tensor& c, const at::Tensor& s, const at::Tensor& m)
+      : codes(c.data_ptr<uint8_t>()), scale(reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>())),
+        min(reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>())), count(c.size(0)), groups(c.size(1)) {}
+
+  // Tile t's 16 outputs for every row of `a`, row m's at y + m * ldy.
+  void rows(int64_t t, const Activations& a, float* y, int64_t ldy) const {
+    const uint8_t* c = codes + t * groups * tile_group_bytes<Bits>();
+    const uint16_t* s = scale + t * groups * kTile;
+    const uint16_t* mn = min + t * groups * kTile;
+    specserve::for_row_tiles<tile_row_count<Bits>()>(a.M, [&](auto rows, int64_t m) {
+      tile_rows<Bits, decltype(rows)::value>(c, s, mn, groups, a, m, y + m * ldy, ldy);
+    });
+  }
+};
+
+template <int Bits>
+void tiled_impl(const Activations& a, const Tiles<Bits>& w, at::Tensor& y) {
   float* yp = y.data_ptr<float>();
-  constexpr int kRows = tile_row_count<Bits>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();
-      const uint16_t* s = sp + t * groups * kTile;
-      const uint16_t* mn = mp + t * groups * kTile;
-      float* out = yp + t * kTile;
-      specserve::for_row_tiles<kRows>(M, [&](auto rows, int64_t m) {
-        tile_rows<Bits, decltype(rows)::value>(c, s, mn, groups, a, m, out + m * N, N);
-      });
-    }
+  at::parallel_for(0, w.count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) w.rows(t, a, yp + t * kTile, w.count * kTile);
   });
 }
 
@@ -649,28 +658,16 @@ void tiled_impl(const Activations& a, const at::Tensor& codes, const at::Tensor&
 // outputs (silu.h), where the separate op read the whole [T, 2 * width] product again, split
 // by rows so that half of it came from the other core's cache, after a join of its own.
 template <int Bits>
-void tiled_swiglu_impl(const Activations& a, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
-                       at::Tensor& y) {
-  const int64_t M = a.M, pairs = codes.size(0) / 2, groups = codes.size(1), width = pairs * kTile;
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(min.data_ptr<at::Half>());
+void tiled_swiglu_impl(const Activations& a, const Tiles<Bits>& w, at::Tensor& y) {
+  const int64_t M = a.M, pairs = w.count / 2, width = pairs * kTile;
   float* yp = y.data_ptr<float>();
-  constexpr int kRows = tile_row_count<Bits>();
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     thread_local specserve::AlignedVector<float> both;  // [M][gate's 16 | up's 16]
     both.resize(M * 2 * kTile);
     float* bp = both.data();
     for (int64_t p = begin; p < end; ++p) {
-      for (int64_t half = 0; half < 2; ++half) {
-        const int64_t t = p + half * pairs;
-        const uint8_t* c = cp + t * groups * tile_group_bytes<Bits>();
-        const uint16_t* s = sp + t * groups * kTile;
-        const uint16_t* mn = mp + t * groups * kTile;
-        specserve::for_row_tiles<kRows>(M, [&](auto rows, int64_t m) {
-          tile_rows<Bits, decltype(rows)::value>(c, s, mn, groups, a, m, bp + m * 2 * kTile + half * kTile, 2 * kTile);
-        });
-      }
+      w.rows(p, a, bp, 2 * kTile);
+      w.rows(p + pairs, a, bp + kTile, 2 * kTile);
       for (int64_t m = 0; m < M; ++m)
         specserve::silu_mul_row(bp + m * 2 * kTile, bp + m * 2 * kTile + kTile, kTile, yp + m * width + p * kTile);
     }
@@ -700,9 +697,9 @@ at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor y = at::empty({x.size(0), cc.size(0) * kTile}, x.options());
   if (x.size(0) == 0 || cc.size(0) == 0) return y;
   const Activations a = quantize_activations(xc, 32, false);
-  if (bits == 4) tiled_impl<4>(a, cc, sc, mc, y);
-  else if (bits == 5) tiled_impl<5>(a, cc, sc, mc, y);
-  else tiled_impl<8>(a, cc, sc, mc, y);
+  if (bits == 4) tiled_impl(a, Tiles<4>(cc, sc, mc), y);
+  else if (bits == 5) tiled_impl(a, Tiles<5>(cc, sc, mc), y);
+  else tiled_impl(a, Tiles<8>(cc, sc, mc), y);
   return y;
 }
 
@@ -714,9 +711,9 @@ at::Tensor tiled_swiglu(const at::Tensor& x, const at::Tensor& codes, const at::
   at::Tensor y = at::empty({x.size(0), cc.size(0) / 2 * kTile}, x.options());
   if (x.size(0) == 0 || cc.size(0) == 0) return y;
   const Activations a = quantize_activations(xc, 32, false);
-  if (bits == 4) tiled_swiglu_impl<4>(a, cc, sc, mc, y);
-  else if (bits == 5) tiled_swiglu_impl<5>(a, cc, sc, mc, y);
-  else tiled_swiglu_impl<8>(a, cc, sc, mc, y);
+  if (bits == 4) tiled_swiglu_impl(a, Tiles<4>(cc, sc, mc), y);
+  else if (bits == 5) tiled_swiglu_impl(a, Tiles<5>(cc, sc, mc), y);
+  else tiled_swiglu_impl(a, Tiles<8>(cc, sc, mc), y);
   return y;
 }
 
