@@ -15,7 +15,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -674,9 +673,10 @@ void tiled_swiglu_impl(const Activations& a, const Tiles<Bits>& w, at::Tensor& y
   });
 }
 
-// The argument checks of the tiled ops, and their contiguous tensors.
-std::array<at::Tensor, 4> tiled_arguments(const char* op, const at::Tensor& x, const at::Tensor& codes,
-                                          const at::Tensor& scale, const at::Tensor& min, int64_t bits) {
+// x W^T over tiles (`tiled_matmul`), or with SwiGLU applied to it (`tiled_swiglu`: the gate's
+// tiles, then as many of up's).
+at::Tensor tiled(const char* op, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                 const at::Tensor& min, int64_t bits, bool swiglu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, op, ": x must be a 2-D float32 tensor");
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, op, ": bits must be 4, 5 or 8 (codes up to 8 bits in bytes)");
   const int64_t K = x.size(1);
@@ -688,33 +688,27 @@ std::array<at::Tensor, 4> tiled_arguments(const char* op, const at::Tensor& x, c
   TORCH_CHECK(scale.sizes() == at::IntArrayRef({tiles, K / 32, kTile}) && min.sizes() == scale.sizes() &&
                   scale.scalar_type() == at::kHalf && min.scalar_type() == at::kHalf,
               op, ": scale and min must be float16 [N / 16, K / 32, 16]");
-  return {x.contiguous(), codes.contiguous(), scale.contiguous(), min.contiguous()};
+  TORCH_CHECK(!swiglu || tiles % 2 == 0, op, ": gate and up need as many tiles each, got ", tiles, " tiles");
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), mc = min.contiguous();
+  at::Tensor y = at::empty({x.size(0), (swiglu ? tiles / 2 : tiles) * kTile}, x.options());
+  if (x.size(0) == 0 || tiles == 0) return y;
+  const Activations a = quantize_activations(xc, 32, false);
+  auto run = [&](const auto& w) { swiglu ? tiled_swiglu_impl(a, w, y) : tiled_impl(a, w, y); };
+  if (bits == 4) run(Tiles<4>(cc, sc, mc));
+  else if (bits == 5) run(Tiles<5>(cc, sc, mc));
+  else run(Tiles<8>(cc, sc, mc));
+  return y;
 }
 
 at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                         int64_t bits) {
-  const auto [xc, cc, sc, mc] = tiled_arguments("tiled_matmul", x, codes, scale, min, bits);
-  at::Tensor y = at::empty({x.size(0), cc.size(0) * kTile}, x.options());
-  if (x.size(0) == 0 || cc.size(0) == 0) return y;
-  const Activations a = quantize_activations(xc, 32, false);
-  if (bits == 4) tiled_impl(a, Tiles<4>(cc, sc, mc), y);
-  else if (bits == 5) tiled_impl(a, Tiles<5>(cc, sc, mc), y);
-  else tiled_impl(a, Tiles<8>(cc, sc, mc), y);
-  return y;
+  return tiled("tiled_matmul", x, codes, scale, min, bits, false);
 }
 
 // silu_mul(tiled_matmul(x, ...)) in one op, the same bits: [T, N / 2] for N outputs (gate's, then up's).
 at::Tensor tiled_swiglu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& min,
                         int64_t bits) {
-  const auto [xc, cc, sc, mc] = tiled_arguments("tiled_swiglu", x, codes, scale, min, bits);
-  TORCH_CHECK(cc.size(0) % 2 == 0, "tiled_swiglu: gate and up need as many tiles each, got ", cc.size(0), " tiles");
-  at::Tensor y = at::empty({x.size(0), cc.size(0) / 2 * kTile}, x.options());
-  if (x.size(0) == 0 || cc.size(0) == 0) return y;
-  const Activations a = quantize_activations(xc, 32, false);
-  if (bits == 4) tiled_swiglu_impl(a, Tiles<4>(cc, sc, mc), y);
-  else if (bits == 5) tiled_swiglu_impl(a, Tiles<5>(cc, sc, mc), y);
-  else tiled_swiglu_impl(a, Tiles<8>(cc, sc, mc), y);
-  return y;
+  return tiled("tiled_swiglu", x, codes, scale, min, bits, true);
 }
 
 // Which instruction path this build took (for logs and benchmark records).
