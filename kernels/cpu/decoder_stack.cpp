@@ -69,7 +69,7 @@ enum Slot : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 struct Layer {
   at::Tensor input_norm, post_norm;
   Projection projections[4];
-  std::optional<Part> swiglu;  // silu_mul of the gate/up projection in one op, where its weight has one
+  std::optional<Part> swiglu;  // silu_mul(gate/up projection) as one op, where that weight is tiled
 };
 
 using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
