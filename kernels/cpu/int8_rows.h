@@ -110,4 +110,17 @@ inline void for_row_tiles(int64_t M, F&& f) {
   row_tile_rest<kRows - 1>(M - m, m, f);
 }
 
+// The same over as few tiles of at most kRows as cover M, their sizes within one of each other
+// (24 rows: 12 and 12, not 16 and 8, where a tile's cost barely depends on its rows).
+template <int kRows, typename F>
+inline void for_even_row_tiles(int64_t M, F&& f) {
+  const int64_t tiles = (M + kRows - 1) / kRows;
+  int64_t m = 0;
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t rows = M / tiles + (i < M % tiles ? 1 : 0);
+    row_tile_rest<kRows>(rows, m, f);
+    m += rows;
+  }
+}
+
 }  // namespace specserve

@@ -24,7 +24,8 @@ from kernels import native
 from specserve.models.gguf_file import GGUFTensor, read_tensors
 
 QK_K = 256  # elements per K-quant super-block
-TILED_ISAS = ("avx512-vnni", "avx2+vnni", "avx2")  # kernel builds with vector code for the tiled layouts
+# kernel builds with vector code for the tiled layouts (+amx: where Linux lets the process use AMX tiles)
+TILED_ISAS = ("avx512-vnni+amx", "avx512-vnni", "avx2+vnni", "avx2")
 
 
 class QuantizedRows:
@@ -224,7 +225,7 @@ class SuperBlockWeight(QuantizedRows):
         the untiled K-quant kernel lacks (1.3x / 1.8x the bytes of Q4_K / Q6_K, but vectorized)."""
         if isa in TILED_ISAS and self.shape[0] % 16 == 0:
             return tile_super_blocks(self)
-        if isa == "avx512-vnni":
+        if isa.startswith("avx512-vnni"):
             return None
         per_sub = QK_K // self.group
         scale = self.d.repeat_interleave(per_sub, dim=1) * self.sub_scale.float()  # exact: fp16 x 6-8 bits

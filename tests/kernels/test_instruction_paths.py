@@ -26,6 +26,7 @@ from tests.kernels.test_reference import paged_cache, random_tree
 from tests.specserve.models.test_gguf import random_blocks
 torch.manual_seed(0)
 x = torch.randn(7, 512) * torch.logspace(-2, 2, 7).unsqueeze(1)
+steps = {"7 rows": x, "19 rows": torch.randn(19, 512)}  # 19: AMX tiles where the host has them
 out = {}
 for head_size in (64, 128):
     rng = random.Random(head_size)
@@ -37,10 +38,12 @@ for head_size in (64, 128):
                                                        k_cache.to(dtype), v_cache.to(dtype), q.to(dtype))
 for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
     w = decode_blocks(random_blocks(name, 32, 512), name, 32)
-    if name.endswith("_K"):
-        out[name] = kquant_tiled_matmul(x, *tile_super_blocks(w), w.bits)
-    else:
-        out[name] = tiled_matmul(x, *tile_blocks(w.values(), w.scale, w.min, w.bits), tiled_bits(w.bits))
+    tiles = tile_super_blocks(w) if name.endswith("_K") else tile_blocks(w.values(), w.scale, w.min, w.bits)
+    for rows, x in steps.items():
+        if name.endswith("_K"):
+            out[f"{name} {rows}"] = kquant_tiled_matmul(x, *tiles, w.bits)
+        else:
+            out[f"{name} {rows}"] = tiled_matmul(x, *tiles, tiled_bits(w.bits))
 torch.save(out, sys.argv[1])
 """
 
