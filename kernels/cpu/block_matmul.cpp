@@ -446,6 +446,15 @@ __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* c, cons
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// One row's float step for a group of 16 outputs (`dot`: its exact int32 sums; the weights'
+// scales `ws` and minimums `wm`; the row's activation scale and code sum): the same in every
+// 512-bit path (dpbusd or AMX tiles), so that they give the same bits.
+inline __m512 add_group_step(__m512 acc, __m512i dot, __m512 ws, __m512 wm, float x_scale, float x_sum) {
+  const __m512 factor = _mm512_mul_ps(ws, _mm512_set1_ps(x_scale));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), factor, acc);
+  return _mm512_fmadd_ps(wm, _mm512_set1_ps(x_sum), acc);
+}
+
 template <int Bits, int R>
 void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
                int64_t m, float* y, int64_t ldy) {
@@ -483,12 +492,8 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
       specserve::add_products<R>(dots, 0, w0, xg, K, k);
       specserve::add_products<R>(dots, kSums - 1, w1, xg, K, k + 4);
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i dot = specserve::row_sum<R>(dots, r);
-      const __m512 factor = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * groups + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), factor, acc[r]);
-      acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
-    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = add_group_step(acc[r], specserve::row_sum<R>(dots, r), ws, wm, xs[r * groups + g], xsum[r * groups + g]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
@@ -736,12 +741,8 @@ inline void add_group(__m512 (&acc)[R], const int32_t* dots, const uint16_t* sca
                       int64_t groups, const float* xs, const float* xsum) {
   const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
   const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min + g * kTile)));
-  for (int r = 0; r < R; ++r) {
-    const __m512i dot = _mm512_load_si512(dots + r * kTile);
-    const __m512 factor = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * groups + g]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), factor, acc[r]);
-    acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
-  }
+  for (int r = 0; r < R; ++r)
+    acc[r] = add_group_step(acc[r], _mm512_load_si512(dots + r * kTile), ws, wm, xs[r * groups + g], xsum[r * groups + g]);
 }
 
 // Rows [m, m + R) of a tile whose codes are bytes (tile_rows' vectors for every group). Each
