@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "int8_rows.h"
 #include "scratch.h"
@@ -455,6 +456,23 @@ inline __m512 add_group_step(__m512 acc, __m512i dot, __m512 ws, __m512 wm, floa
   return _mm512_fmadd_ps(wm, _mm512_set1_ps(x_sum), acc);
 }
 
+// A group's code vectors k and k + 4 (`c`: the group's bytes in the tile layout) as bytes.
+template <int Bits>
+inline std::pair<__m512i, __m512i> code_vectors(const uint8_t* c, int k) {
+  if constexpr (Bits == 8) return {_mm512_loadu_si512(c + 64 * k), _mm512_loadu_si512(c + 64 * (k + 4))};
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i packed = _mm512_loadu_si512(c + 64 * k);
+  __m512i w0 = _mm512_and_si512(packed, low4);
+  __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+  if constexpr (Bits == 5) {
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    const uint64_t* high = reinterpret_cast<const uint64_t*>(c + 256);
+    w0 = _mm512_mask_add_epi8(w0, _cvtu64_mask64(high[k]), w0, fifth);
+    w1 = _mm512_mask_add_epi8(w1, _cvtu64_mask64(high[k + 4]), w1, fifth);
+  }
+  return {w0, w1};
+}
+
 template <int Bits, int R>
 void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min, int64_t groups, const Activations& a,
                int64_t m, float* y, int64_t ldy) {
@@ -462,7 +480,6 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
   const auto [xq, xs, xsum] = RowActivations::of(a, m, groups);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = codes + g * tile_group_bytes<Bits>();
     prefetch_ahead<Bits>(c, scale, min, g);
@@ -474,21 +491,7 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
     __m512i dots[R][kSums];
     for (auto& row : dots) std::fill(row, row + kSums, _mm512_setzero_si512());
     for (int k = 0; k < 4; ++k) {
-      __m512i w0, w1;  // vectors k and k + 4
-      if constexpr (Bits <= 5) {
-        const __m512i packed = _mm512_loadu_si512(c + 64 * k);
-        w0 = _mm512_and_si512(packed, low4);
-        w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-        if constexpr (Bits == 5) {
-          const __m512i fifth = _mm512_set1_epi8(0x10);
-          const uint64_t* high = reinterpret_cast<const uint64_t*>(c + 256);
-          w0 = _mm512_mask_add_epi8(w0, _cvtu64_mask64(high[k]), w0, fifth);
-          w1 = _mm512_mask_add_epi8(w1, _cvtu64_mask64(high[k + 4]), w1, fifth);
-        }
-      } else {
-        w0 = _mm512_loadu_si512(c + 64 * k);
-        w1 = _mm512_loadu_si512(c + 64 * (k + 4));
-      }
+      const auto [w0, w1] = code_vectors<Bits>(c, k);
       specserve::add_products<R>(dots, 0, w0, xg, K, k);
       specserve::add_products<R>(dots, kSums - 1, w1, xg, K, k + 4);
     }
@@ -716,20 +719,11 @@ class AmxTiles {
 constexpr int kAmxRows = 16;
 constexpr int kAmxMinRows = 16;
 
-// A group's 4- or 5-bit codes as tile_rows' eight vectors w0..w7 of 64 bytes, at `out`.
+// A group's 4- or 5-bit codes as tile_rows' eight vectors of 64 bytes, at `out`.
 template <int Bits>
 inline void unpack_group(const uint8_t* c, uint8_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int k = 0; k < 4; ++k) {
-    const __m512i packed = _mm512_loadu_si512(c + 64 * k);
-    __m512i w0 = _mm512_and_si512(packed, low4);
-    __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-    if constexpr (Bits == 5) {
-      const __m512i fifth = _mm512_set1_epi8(0x10);
-      const uint64_t* high = reinterpret_cast<const uint64_t*>(c + 256);
-      w0 = _mm512_mask_add_epi8(w0, _cvtu64_mask64(high[k]), w0, fifth);
-      w1 = _mm512_mask_add_epi8(w1, _cvtu64_mask64(high[k + 4]), w1, fifth);
-    }
+    const auto [w0, w1] = code_vectors<Bits>(c, k);
     _mm512_store_si512(out + 64 * k, w0);
     _mm512_store_si512(out + 64 * (k + 4), w1);
   }
@@ -810,11 +804,13 @@ struct Tiles {
       : codes(c.data_ptr<uint8_t>()), scale(reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>())),
         min(reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>())), count(c.size(0)), groups(c.size(1)) {}
 
+  const uint8_t* tile_codes(int64_t t) const { return codes + t * groups * tile_group_bytes<Bits>(); }
+
   // Tile t's 16 outputs for every row of `a`, row m's at y + m * ldy; through `amx`'s tile
   // registers where given and the step has the rows for it, `next` the tile the thread takes
   // next (or -1).
   void rows(int64_t t, const Activations& a, float* y, int64_t ldy, AmxTiles* amx, int64_t next = -1) const {
-    const uint8_t* c = codes + t * groups * tile_group_bytes<Bits>();
+    const uint8_t* c = tile_codes(t);
     const uint16_t* s = scale + t * groups * kTile;
     const uint16_t* mn = min + t * groups * kTile;
 #if defined(SPECSERVE_AMX)
@@ -829,8 +825,6 @@ struct Tiles {
   }
 
 #if defined(SPECSERVE_AMX)
-  const uint8_t* tile_codes(int64_t t) const { return codes + t * groups * tile_group_bytes<Bits>(); }
-
   // 4- and 5-bit codes go to the tile instructions as bytes, unpacked a tile ahead while the
   // tile before runs (a tile load of what vector stores wrote a moment before waits for them
   // to retire, and the unpacking's reads of the codes overlap the arithmetic).
