@@ -815,7 +815,7 @@ struct Tiles {
     const uint16_t* mn = min + t * groups * kTile;
 #if defined(SPECSERVE_AMX)
     if (amx != nullptr && a.M >= kAmxMinRows) {
-      amx_rows(t, next, a, y, ldy, *amx);
+      amx_rows(t, s, mn, next, a, y, ldy, *amx);
       return;
     }
 #endif
@@ -828,9 +828,8 @@ struct Tiles {
   // 4- and 5-bit codes go to the tile instructions as bytes, unpacked a tile ahead while the
   // tile before runs (a tile load of what vector stores wrote a moment before waits for them
   // to retire, and the unpacking's reads of the codes overlap the arithmetic).
-  void amx_rows(int64_t t, int64_t next, const Activations& a, float* y, int64_t ldy, AmxTiles& amx) const {
-    const uint16_t* s = scale + t * groups * kTile;
-    const uint16_t* mn = min + t * groups * kTile;
+  void amx_rows(int64_t t, const uint16_t* s, const uint16_t* mn, int64_t next, const Activations& a, float* y,
+                int64_t ldy, AmxTiles& amx) const {
     const uint8_t* bytes = tile_codes(t);
     uint8_t* ahead = nullptr;
     if constexpr (Bits != 8) {
@@ -857,8 +856,8 @@ void tiled_impl(const Activations& a, const Tiles<Bits>& w, at::Tensor& y) {
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, w.count, 1, [&](int64_t begin, int64_t end) {
     AmxTiles amx;
-    for (int64_t t = begin; t < end; ++t)
-      w.rows(t, a, yp + t * kTile, w.count * kTile, amx_granted() ? &amx : nullptr, t + 1 < end ? t + 1 : -1);
+    AmxTiles* tiles = amx_granted() ? &amx : nullptr;
+    for (int64_t t = begin; t < end; ++t) w.rows(t, a, yp + t * kTile, w.count * kTile, tiles, t + 1 < end ? t + 1 : -1);
   });
 }
 
