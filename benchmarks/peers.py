@@ -47,11 +47,12 @@ from serving import free_port, stream_completion
 from tqdm import tqdm
 
 from specserve.ablation.config import SPEC_BENCH, spec_bench_by_category
-from specserve.machine import processor_name
+from specserve.machine import cpu_flags, processor_name
 from specserve.pull import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
 THREADS = 2
+REPORTED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 # Peers run outside this folder: its kernels.py would shadow the `kernels` package transformers probes for.
 PEER_CWD = tempfile.gettempdir()
 
@@ -469,7 +470,7 @@ def main() -> None:
         result = json.loads(args.render.read_text())
     else:
         SUITES["smollm2"].concurrency = [int(c) for c in args.concurrency.split(",")]
-        result = {"machine": processor_name(), "flags": cpu_flags(), "threads": THREADS,
+        result = {"machine": processor_name(), "flags": cpu_flags(REPORTED_FLAGS), "threads": THREADS,
                   "max_tokens": args.max_tokens, "turns": args.turns, "suites": []}
         for suite in (SUITES[name] for name in args.suite.split(",")):
             result["suites"].append(run_suite(suite, args))
@@ -486,16 +487,6 @@ def main() -> None:
     write_report(args.out, result, caption, header, table(result, levels))
     plot(result, Path(f"{args.out}.png"))
     Path(f"{args.out}.partial.json").unlink(missing_ok=True)
-
-
-def cpu_flags() -> list[str]:
-    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next(line for line in cpuinfo if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return [f for f in wanted if f in flags]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,16 @@ def processor_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_flags(wanted: tuple[str, ...]) -> list[str]:
+    """Which of `wanted` (as /proc/cpuinfo spells them: "avx512_vnni", "amx_int8") this CPU has."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+    return [f for f in wanted if f in flags]
+
+
 def free_port() -> int:
     """A TCP port on the loopback that nothing listens on now (for a server or a process group)."""
     with socket.socket() as sock:
