@@ -3,9 +3,11 @@ boundaries and never emitted."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from specserve.detokenizer import IncrementalDetokenizer, TextStream, load_tokenizer
+from specserve.detokenizer import IncrementalDetokenizer, TextStream, load_tokenizer, text_decoder
 
 
 class PieceTokenizer:
@@ -91,3 +93,20 @@ def test_stop_string_inside_a_multibyte_run(smollm2_path):
         if stopped:
             break
     assert stopped and emitted == "Travel to 東"
+
+
+@pytest.mark.slow
+def test_the_text_decoder_returns_what_the_tokenizer_decodes(smollm2_path):
+    tokenizer = load_tokenizer(smollm2_path)
+    decode = text_decoder(tokenizer)
+    ids = tokenizer.encode("Zürich → 東京 🚀") + [tokenizer.eos_token_id] + tokenizer.encode(" naïve , ok .")
+    windows = [ids[i:j] for i in range(len(ids)) for j in range(i + 1, min(len(ids), i + 6) + 1)]
+    assert [decode(w) for w in windows] == [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_its_own_way():
+    class Cleaning(PieceTokenizer):
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "without the clean-up")
+
+    assert text_decoder(Cleaning())(Cleaning().ids("Hello", " wor")) == "Hello wor"
