@@ -38,9 +38,9 @@ MIN_GAIN = 1e-3  # expected tokens below which another node is not worth conside
 # mostly promised fractions of a percent and lost more to the deciding and verifying around them.
 MIN_RATE_GAIN = 0.02
 # Looking at every sequence's guess takes a busy server's policy about a millisecond (32 n-gram
-# searches, 1% of its step): after a look found no plan worth its trees, the next steps at that
-# batch size decide nothing (no look, not even the quick bound check) until looking has cost at
-# most this share of the steps' time on average. At 32 clients, where trees about break even,
+# searches, 1% of its step): after a look found no plan worth its trees, or the quick bound check
+# found no node worth its price, the next steps at that batch size decide nothing until deciding
+# has cost at most this share of the steps' time on average. At 32 clients, where trees about break even,
 # 0.5% of the steps spent looking was most of the loss. A look at one sequence is never skipped:
 # it is one guess (n-gram and suffix lookup make theirs where asked: suffix lookup over a full
 # cache, about 1% of a batch-1 step), and a skipped step at batch 1 is a whole step without
@@ -126,9 +126,9 @@ def _caps_within(caps: Mapping[Sequence, int], room: int) -> dict[Sequence, int]
 
 
 class LookThrottle:
-    """When looking at every sequence's guess is worth its time, per batch bucket: after a look
-    found no plan worth its trees, the next steps decide nothing until looking has cost at most
-    `share` of the steps' time on average (see DECIDING_SHARE)."""
+    """When deciding on trees is worth its time, per batch bucket: after a step decided against
+    them, the next steps decide nothing until deciding has cost at most `share` of the steps' time
+    on average (see DECIDING_SHARE)."""
 
     def __init__(self, share: float = DECIDING_SHARE):
         self.share = share
@@ -147,7 +147,13 @@ class LookThrottle:
 
     def looked(self, bucket: int, seconds: float, found: bool, plain_seconds: float) -> None:
         self._seconds[bucket] = seconds
-        if not found and bucket > _bucket(1):
+        if not found:
+            self.declined(bucket, seconds, plain_seconds)
+
+    def declined(self, bucket: int, seconds: float, plain_seconds: float) -> None:
+        """A step decided against trees, which took `seconds` (a look, or the quick bound check:
+        at 32 clients, with the caches cold from the forward, that alone took ~90 us a step)."""
+        if bucket > _bucket(1):
             self._skips[bucket] = int(seconds / (self.share * plain_seconds))
 
 
@@ -213,8 +219,9 @@ class AdaptivePolicy(SpeculationPolicy):
         tree_budgets = dict.fromkeys(caps, 0)
         num_seqs, base_tokens, keys = shape.decodes, shape.tokens, shape.keys
         bucket = _bucket(num_seqs)
-        if self.throttle.skip(bucket):  # a look found nothing lately: this step decides nothing
+        if self.throttle.skip(bucket):  # deciding found nothing lately: this step decides nothing
             return TreePlan(tree_budgets)
+        start = self._clock()
         step_cost = self._step_cost(num_seqs)
         # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
         chunked = shape.chunked
@@ -236,6 +243,7 @@ class AdaptivePolicy(SpeculationPolicy):
         node_seconds = step_cost.node_seconds(base_tokens)
         bound = _first_gain_bound(seqs)
         if bound is not None and bound * plain.token_seconds <= node_seconds:
+            self.throttle.declined(bucket, self._clock() - start, plain_seconds)
             return plain
         start = self._clock()
         found = self._best_plan(seqs, caps, room, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,

@@ -510,6 +510,22 @@ def test_a_busy_server_that_keeps_finding_nothing_worth_drafting_looks_less_ofte
     assert drafter.asked == 2 * 64  # looked at the first step and the seventh
 
 
+def test_a_busy_server_whose_surest_guess_could_not_pay_decides_less_often_too():
+    """The quick bound check (no sequence asked) is deciding too, and at a busy server with the
+    caches cold from the forward it is not free: where it took 1% of a step, the next five steps
+    decide nothing, even once guesses that would pay appear; the seventh drafts them."""
+    cost = ForwardCost([1, 64, 128], [0.05, 0.2, 0.3])
+    policy = policy_whose_looks_take(0.01, cost)
+    seqs, drafter = known_guesses(dict.fromkeys(range(64), 0.4))
+    assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+    for seq_id in range(0, 64, 4):
+        drafter.first_token[seq_id] = 0.95
+    for _ in range(5):
+        assert set(plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024).values()) == {0}
+    assert drafter.asked == 0
+    assert plan_budgets(policy, dict.fromkeys(seqs, 8), 64, 1024)[seqs[4]] > 0
+
+
 def test_a_single_sequence_is_looked_at_every_step_however_long_its_looks_take():
     """At batch 1 a skipped look is a whole step without speculation: a look that found nothing
     worth a node (each row costs nearly a step; the guess is 90% sure), though it took three
