@@ -12,8 +12,9 @@ install finished, so a second run installs nothing. The facts that make them ins
   GCC 12's build of ggml's AMX kernels segfaults at the first completion (its tile intrinsics
   declare the wrong memory reads, which also broke our own AMX kernels until we wrote the asm),
   and without AMX llama.cpp runs SmolLM2 at half its speed there (84 against 164-175 tok/s
-  offline on an Intel Xeon, session 58). So on such a CPU it is built with clang, given GCC's
-  names of the AMX macros (clang 14 defines `__AMXINT8__`, ggml tests `__AMX_INT8__`).
+  offline on an Intel Xeon, session 58, a scratch script). So on such a CPU it is built with
+  clang, given GCC's names of the AMX macros (clang 14 defines `__AMXINT8__`, ggml tests
+  `__AMX_INT8__`).
 - transformers `generate` with our pinned torch and gguf to read the file.
 
     python benchmarks/peer_envs.py [vllm llama_cpp transformers]   # installs, prints the pythons
