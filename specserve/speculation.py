@@ -40,8 +40,8 @@ MIN_RATE_GAIN = 0.02
 # Looking at every sequence's guess takes a busy server's policy about a millisecond (32 n-gram
 # searches, 1% of its step): after a look found no plan worth its trees, or the quick bound check
 # found no node worth its price, the next steps at that batch size decide nothing until deciding
-# has cost at most this share of the steps' time on average. At 32 clients, where trees about break even,
-# 0.5% of the steps spent looking was most of the loss. A look at one sequence is never skipped:
+# has cost at most this share of the steps' time on average. At 32 clients, where trees about
+# break even, 0.5% of the steps spent looking was most of the loss. A look at one sequence is never skipped:
 # it is one guess (n-gram and suffix lookup make theirs where asked: suffix lookup over a full
 # cache, about 1% of a batch-1 step), and a skipped step at batch 1 is a whole step without
 # speculation (skipping after every failed look cost the repetitive workload a quarter of its
@@ -221,7 +221,7 @@ class AdaptivePolicy(SpeculationPolicy):
         bucket = _bucket(num_seqs)
         if self.throttle.skip(bucket):  # deciding found nothing lately: this step decides nothing
             return TreePlan(tree_budgets)
-        start = self._clock()
+        deciding_since = self._clock()
         step_cost = self._step_cost(num_seqs)
         # This step's predicted seconds by drafted nodes (prompt chunks beside the decodes: chunked).
         chunked = shape.chunked
@@ -243,7 +243,7 @@ class AdaptivePolicy(SpeculationPolicy):
         node_seconds = step_cost.node_seconds(base_tokens)
         bound = _first_gain_bound(seqs)
         if bound is not None and bound * plain.token_seconds <= node_seconds:
-            self.throttle.declined(bucket, self._clock() - start, plain_seconds)
+            self.throttle.declined(bucket, self._clock() - deciding_since, plain_seconds)
             return plain
         start = self._clock()
         found = self._best_plan(seqs, caps, room, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
