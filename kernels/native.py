@@ -121,7 +121,7 @@ def load() -> None:
 
 def isa() -> str:
     """The instruction path the loaded kernel was compiled for: avx512-vnni (+amx where the CPU and Linux
-    allow AMX tiles: steps of 16 rows and more), avx2+vnni, avx2 or portable."""
+    allow AMX tiles: steps of 11 rows and more), avx2+vnni, avx2 or portable."""
     load()
     return torch.ops.specserve_cpu.isa()
 

@@ -645,14 +645,13 @@ void tile_rows(const uint8_t* codes, const uint16_t* scale, const uint16_t* min,
 
 // GCC 12's intrinsics tell the compiler that ldtilecfg reads 8 of the config's 64 bytes and that
 // tileloadd reads no memory at all, so it dropped the stores feeding them: our own, with the
-// memory they read.
+// memory they read (a store: the int32 rows it writes, an array of 64-byte rows).
 // (No "memory" clobber: it made the compiler keep the rows' accumulators on the stack.)
 #define SPECSERVE_TILE_LOAD(tile, base, stride)                                                  \
   asm volatile("tileloadd (%1,%2,1), %%tmm" #tile ::"m"(*reinterpret_cast<const char(*)[]>(base)), \
                "r"(base), "r"(static_cast<long>(stride)))
-#define SPECSERVE_TILE_STORE(tile, base, stride)                                                    \
-  asm volatile("tilestored %%tmm" #tile ", (%1,%2,1)" : "=m"(*reinterpret_cast<char(*)[]>(base)) \
-               : "r"(base), "r"(static_cast<long>(stride)))
+#define SPECSERVE_TILE_STORE(tile, rows) \
+  asm volatile("tilestored %%tmm" #tile ", (%1,%2,1)" : "=m"(rows) : "r"(rows), "r"(64L))
 
 // Linux refuses tile instructions to a process that has not asked for the tile state.
 bool amx_granted() {
@@ -712,12 +711,14 @@ class AmxTiles {
   int64_t unpacked_ = -1;
 };
 
-// Rows a tile instruction takes at once, and the fewest for which the tiles beat dpbusd: a
-// group's tile work is loads, a product and a store whatever the rows (SmolLM2 steps on Xeon,
-// AMX against VNNI, in-process, two runs: 12 rows 1.01x, 16 rows 0.94-0.99x, 24 0.91-0.94x, 32
-// 0.89-0.90x, 64 0.84-0.87x).
+// Rows a tile instruction takes at once, and the fewest for which the tiles beat dpbusd. Per
+// group and tile of 16 outputs (Q4_1 in L2, TSC ticks): the tiles ~33 whatever the rows (the
+// loads, the product, and a store of ~11 that waits on it) plus ~3 a row for the float steps;
+// dpbusd ~12 plus ~5 a row. SmolLM2 steps on Xeon, AMX against VNNI, in-process: 9 rows 1.03x,
+// 10 1.02x, 11 0.94x, 12 0.91-0.92x, 16 0.90x, 24 0.90x (earlier, with the accumulators on the
+// stack: 12 rows 1.01x, 16 0.94-0.99x, 32 0.89-0.90x, 64 0.84-0.87x).
 constexpr int kAmxRows = 16;
-constexpr int kAmxMinRows = 16;
+constexpr int kAmxMinRows = 11;
 
 // A group's 4- or 5-bit codes as tile_rows' eight vectors of 64 bytes, at `out`.
 template <int Bits>
@@ -730,11 +731,16 @@ inline void unpack_group(const uint8_t* c, uint8_t* out) {
 }
 
 // tile_rows' float steps for group g of R rows whose int32 sums are at `dots` (16 per row).
+// Inlined and unrolled, as are the loops over `acc` around it: else GCC kept the rows'
+// accumulators on the stack, a load and a store per row and group (SmolLM2's 16-row steps 2-3%
+// slower on the Xeon, in the same process).
 template <int R>
-inline void add_group(__m512 (&acc)[R], const int32_t* dots, const uint16_t* scale, const uint16_t* min, int64_t g,
-                      int64_t groups, const float* xs, const float* xsum) {
+__attribute__((always_inline)) inline void add_group(__m512 (&acc)[R], const int32_t* dots, const uint16_t* scale,
+                                                     const uint16_t* min, int64_t g, int64_t groups, const float* xs,
+                                                     const float* xsum) {
   const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * kTile)));
   const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min + g * kTile)));
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     acc[r] = add_group_step(acc[r], _mm512_load_si512(dots + r * kTile), ws, wm, xs[r * groups + g], xsum[r * groups + g]);
 }
@@ -751,6 +757,7 @@ void amx_tile_rows(AmxTiles& tiles, const uint8_t* codes, const uint16_t* scale,
   tiles.use(R);
   alignas(64) int32_t dots[2][R * kTile];
   __m512 acc[R];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   // Always inlined: out of line, GCC found the 8-bit version (prefetches only) free of side
   // effects and deleted its calls.
@@ -769,8 +776,8 @@ void amx_tile_rows(AmxTiles& tiles, const uint8_t* codes, const uint16_t* scale,
     _tile_zero(5);
     _tile_dpbsud(2, 0, 1);
     _tile_dpbsud(5, 3, 4);
-    SPECSERVE_TILE_STORE(2, dots[0], 64);
-    SPECSERVE_TILE_STORE(5, dots[1], 64);
+    SPECSERVE_TILE_STORE(2, dots[0]);
+    SPECSERVE_TILE_STORE(5, dots[1]);
     alongside(g);
     alongside(g + 1);
     add_group<R>(acc, dots[0], scale, min, g, groups, xs, xsum);
@@ -781,10 +788,11 @@ void amx_tile_rows(AmxTiles& tiles, const uint8_t* codes, const uint16_t* scale,
     SPECSERVE_TILE_LOAD(0, xq + g * 32, K);
     _tile_zero(2);
     _tile_dpbsud(2, 0, 1);
-    SPECSERVE_TILE_STORE(2, dots[0], 64);
+    SPECSERVE_TILE_STORE(2, dots[0]);
     alongside(g);
     add_group<R>(acc, dots[0], scale, min, g, groups, xs, xsum);
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 #else
