@@ -21,6 +21,10 @@ more per forward). The fit of Spec-Bench agreement against log2(training tokens)
 a head would need for a chosen MAT bound.
 
     python benchmarks/head_scaling.py [--fractions 0.125,0.25,0.5,1] [--epochs 1]
+    python benchmarks/head_scaling.py --self-instruct 3000 --follow-ups 1000 --fractions none --heads DIR
+
+(the second scores a head trained elsewhere, e.g. by `train-drafter` on that data, beside the
+shipped one, on that data's held-out answers and on Spec-Bench, training none).
 """
 
 from __future__ import annotations
@@ -82,7 +86,10 @@ def main() -> None:
                         help="answers to prompts the target writes itself, added (`train-drafter --self-instruct`)")
     parser.add_argument("--follow-ups", type=int, default=0,
                         help="answers to follow-up turns it writes after those (`train-drafter --follow-ups`)")
-    parser.add_argument("--fractions", default="0.125,0.25,0.5,1")
+    parser.add_argument("--fractions", default="0.125,0.25,0.5,1",
+                        help="shares of the training answers a head is trained on; 'none': no such heads")
+    parser.add_argument("--heads", default="", help="head directories scored beside the shipped one, comma-separated "
+                                                     "(e.g. one `specserve train-drafter` made on other data)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--cap", type=int, default=16, help="tree depth the MAT bound runs to")
@@ -113,7 +120,8 @@ def main() -> None:
         return run
 
     runs = []
-    for fraction in [float(f) for f in args.fractions.split(",")]:
+    fractions = [] if args.fractions == "none" else [float(f) for f in args.fractions.split(",")]
+    for fraction in fractions:
         subset = train_ids[: max(1, round(fraction * len(train_ids)))]
         torch.manual_seed(settings.seed)
         vocab_ids, _ = draft_vocabulary(features, subset, settings.draft_vocab, prepared.model.config)
@@ -124,14 +132,18 @@ def main() -> None:
         runs.append(score(head, {"fraction": fraction, "answers": len(subset), "epochs": args.epochs,
                                  "train_tokens": sum(_answer_rows(features, e) for e in subset),
                                  "train_seconds": round(seconds, 1)}))
-    # The shipped head (trained on the same split, for more epochs), scored alike.
-    shipped_dir = find_head("feature", None, prepared.model_dir)
-    shipped = HeadConfig.load(shipped_dir).training
-    head = TrainableHead.from_tensors(prepared.model, "feature", final,
-                                      load_file(str(shipped_dir / "head.safetensors")))
-    shipped_run = score(head, {"fraction": 1.0, "answers": shipped["answers"] - len(val_ids),
-                               "epochs": shipped["settings"]["epochs"], "train_tokens": shipped["train_tokens"],
-                               "train_seconds": sum(e["seconds"] for e in shipped["epochs"])})
+    # The shipped head, and any given, scored alike (on this data's validation answers).
+    def trained(head_dir: Path) -> dict:
+        training = HeadConfig.load(head_dir).training
+        weights = load_file(str(head_dir / "head.safetensors"))
+        head = TrainableHead.from_tensors(prepared.model, "feature", final, weights)
+        held_out = max(1, round(training["settings"]["validation"] * training["answers"]))  # as Features.split
+        return score(head, {"head": str(head_dir), "answers": training["answers"] - held_out,
+                            "epochs": training["settings"]["epochs"], "train_tokens": training["train_tokens"],
+                            "train_seconds": sum(e["seconds"] for e in training["epochs"])})
+
+    shipped_run = trained(find_head("feature", None, prepared.model_dir))
+    given = [trained(Path(d).expanduser()) for d in args.heads.split(",") if d]
 
     # Spec-Bench depth-1 top-k agreement against log2(tokens): a least-squares line through the runs.
     key = f"spec-bench top-{args.top_k}"
@@ -161,6 +173,7 @@ def main() -> None:
         "train_settings": settings.__dict__, "prompts": prepared.prompts, "spec_bench_answers": len(bench),
         "runs": runs,
         "shipped": shipped_run,
+        "heads": given,
         "fit": {"slope_per_doubling": slope, "intercept": intercept, "tokens_for_mat": needed,
                 "mat": args.mat},
     }
@@ -170,10 +183,15 @@ def main() -> None:
     def pct(values: list[float]) -> str:
         return "/".join(f"{v:.0%}" for v in values)
 
-    rows = [[f"{r['epochs']} epoch(s)" + (" (shipped)" if r is shipped_run else ""), str(r["answers"]),
+    def label(r: dict) -> str:
+        if r is shipped_run:
+            return f"{r['epochs']} epoch(s) (shipped)"
+        return f"{r['epochs']} epoch(s)" + (f" ({Path(r['head']).name})" if "head" in r else "")
+
+    rows = [[label(r), str(r["answers"]),
              f"{r['train_tokens']:,}", f"{r['train_seconds']:.0f}", pct(r["validation top-1"]),
              pct(r[f"validation top-{args.top_k}"]), pct(r["spec-bench top-1"]), pct(r[key]),
-             f"{r['validation_mat_bound']:.2f}", f"{r['mat_bound']:.2f}"] for r in [*runs, shipped_run]]
+             f"{r['validation_mat_bound']:.2f}", f"{r['mat_bound']:.2f}"] for r in [*runs, shipped_run, *given]]
     extrapolation = "" if needed is None else (
         f" Fit: Spec-Bench depth-1 top-{args.top_k} agreement gains {slope:.1%} per doubling of the training "
         f"tokens; a MAT bound of {args.mat} would need about {needed:,.0f} tokens, "
@@ -181,9 +199,11 @@ def main() -> None:
     data = f"{args.samples} self-distilled GPTeacher answers" + (
         f" and {args.self_instruct} to prompts it wrote itself (self-instruct)" if args.self_instruct else "") + (
         f" and {args.follow_ups} to follow-up turns it wrote after its own answers" if args.follow_ups else "")
+    also = "".join(f", and {Path(r['head']).name} (`--heads`)" for r in given)
     caption = (f"Feature heads for {args.model} on growing shares of {data} "
                f"({args.epochs} epoch(s), training-time test {settings.unroll} passes, bf16 autocast, "
-               f"{torch.get_num_threads()} threads), and the shipped head (3000 GPTeacher answers, more epochs). "
+               f"{torch.get_num_threads()} threads), and the shipped head (3000 GPTeacher answers, more epochs)"
+               f"{also}. "
                f"Agreement with "
                f"the target's next token by drafting depth "
                f"(1/2/3), teacher-forced, on held-out training answers (val) and on the target's answers to "
@@ -191,7 +211,8 @@ def main() -> None:
                f"1 + a1 + a1 a2 + ... to depth {args.cap} from the top-{args.top_k} rates: no top-"
                f"{args.top_k} tree of that depth should accept more on average (teacher-forced rates).{extrapolation}")
     write_report(args.out, result, caption, header, rows)
-    plot(runs, key, slope, intercept, needed, Path(f"{args.out}.png"))
+    if runs:
+        plot(runs, key, slope, intercept, needed, Path(f"{args.out}.png"))
 
 
 def plot(runs: list[dict], key: str, slope, intercept, needed, path: Path) -> None:
