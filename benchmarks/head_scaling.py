@@ -200,10 +200,10 @@ def main() -> None:
         f" and {args.self_instruct} to prompts it wrote itself (self-instruct)" if args.self_instruct else "") + (
         f" and {args.follow_ups} to follow-up turns it wrote after its own answers" if args.follow_ups else "")
     also = "".join(f", and {Path(r['head']).name} (`--heads`)" for r in given)
-    caption = (f"Feature heads for {args.model} on growing shares of {data} "
-               f"({args.epochs} epoch(s), training-time test {settings.unroll} passes, bf16 autocast, "
-               f"{torch.get_num_threads()} threads), and the shipped head (3000 GPTeacher answers, more epochs)"
-               f"{also}. "
+    shares = (f"Feature heads for {args.model} on growing shares of {data} ({args.epochs} epoch(s), training-time "
+              f"test {settings.unroll} passes, bf16 autocast, {torch.get_num_threads()} threads), and the shipped "
+              f"head" if runs else f"For {args.model}, on held-out answers of {data}: the shipped feature head")
+    caption = (f"{shares} (3000 GPTeacher answers, more epochs){also}. "
                f"Agreement with "
                f"the target's next token by drafting depth "
                f"(1/2/3), teacher-forced, on held-out training answers (val) and on the target's answers to "
