@@ -26,10 +26,11 @@ from specserve.kv_cache import KVCache
 from specserve.model_runner import TreeRequest
 from specserve.models.config import ModelConfig
 from specserve.models.linear import Projection, packing_available
-from specserve.models.llama import DecoderLayer, LlamaForCausalLM
+from specserve.models.llama import DecoderLayer, LlamaForCausalLM, build_decoder_stack
 from specserve.tree import TokenTree
 
 HEAD_KINDS = ("feature", "early-exit")
+HEAD_BITS = 8  # a head's projections on a CPU serving quantized blocks (`HeadDrafter._quantize_like`)
 CONFIG_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
 SHIPPED_DIR = Path(__file__).parent / "trained"  # heads shipped with specserve: <target>/<kind>/
 
@@ -116,16 +117,14 @@ class _SeqState:
     def __init__(self) -> None:
         self.computed = 0  # leading rows whose head K/V are in place
         self.start = 0  # position of the first kept hidden state
+        self.end = 0  # position after the last kept hidden state
         self.rows: list[torch.Tensor] = []
-
-    @property
-    def end(self) -> int:
-        return self.start + sum(len(r) for r in self.rows)
 
     def add(self, position: int, hidden: torch.Tensor) -> None:
         if not self.rows or position != self.end:  # the first, or after a gap: start afresh
             self.start, self.rows = position, []
         self.rows.append(hidden)
+        self.end = position + len(hidden)
 
     def take(self, first: int, stop: int) -> torch.Tensor:
         """Hidden states of positions [first, stop); those before `stop - 1` are dropped."""
@@ -171,11 +170,13 @@ class HeadDrafter(TreeSearchDrafter, OwnsKV, Observes):
         tensors = load_file(str(directory / WEIGHTS_FILE))
         device = target.runner.device  # the head lives where the target does
         self.vocab_ids = tensors.pop("vocab_ids").to(device=device, dtype=torch.int64)
+        self.column_tokens = self.vocab_ids
         self.layer = build_layer(model.config, {k.removeprefix("layer."): v for k, v in tensors.items()
                                                 if k.startswith("layer.")}, model.dtype, device)
         pack = packing_available(model.dtype, device)
         self.lm_head = model.lm_head.select_rows(self.vocab_ids)
         self._load_extra(tensors, model, pack)
+        self.stack = self._quantize_like(model)
         mc = model.config
         self.cache = KVCache(1, target.num_blocks, target.block_size, mc.num_kv_heads, mc.head_dim, model.dtype,
                              device)
@@ -184,6 +185,24 @@ class HeadDrafter(TreeSearchDrafter, OwnsKV, Observes):
 
     def _load_extra(self, tensors: dict[str, torch.Tensor], model: LlamaForCausalLM, pack: bool) -> None:
         """Weights besides the layer (the feature head's fc)."""
+
+    def _projections(self) -> list[Projection]:
+        attention, mlp = self.layer.self_attn, self.layer.mlp
+        return [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+    def _quantize_like(self, model: LlamaForCausalLM) -> torch.ScriptObject | None:
+        """Where the target runs in quantized blocks on a CPU (fp32 states), the head's projections
+        too, in 8-bit blocks, and its layer as one C++ call: the plain fp32 layer read four times
+        the bytes, op by op, and made a SmolLM2 feature head's round cost half a target decode.
+        The target verifies every drafted token, so this changes which tokens are drafted, never
+        what is emitted. Returns the layer's stack (None: the layer stays as loaded)."""
+        target = model.layers[0]
+        quantized = all(p.quantized for p in (target.self_attn.qkv_proj, target.mlp.down_proj))
+        if not quantized or model.dtype != torch.float32 or self.layer.input_layernorm.weight.device.type != "cpu":
+            return None
+        for projection in self._projections():
+            projection.requantize(HEAD_BITS)
+        return build_decoder_stack([self.layer], model.config)
 
     # -- hidden states -----------------------------------------------------------------------
 
@@ -213,13 +232,11 @@ class HeadDrafter(TreeSearchDrafter, OwnsKV, Observes):
     # -- running the head --------------------------------------------------------------------
 
     def _run_layer(self, requests: list[TreeRequest], x: torch.Tensor) -> torch.Tensor:
-        return self.target_runner.run_layer(self.layer, self.cache, requests, x)
+        return self.target_runner.run_layer(self.layer, self.cache, requests, x, self.stack)
 
     def _score(self, normed: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (-inf off the draft vocabulary) of head outputs."""
-        logits = self.lm_head(normed).float()
-        full = logits.new_full((logits.shape[0], self.vocab_size), -torch.inf)
-        return full.index_copy_(1, self.vocab_ids, logits)
+        """Logits of head outputs over the draft vocabulary (`column_tokens`)."""
+        return self.lm_head(normed).float()
 
 
 class FeatureHeadDrafter(HeadDrafter):
@@ -231,6 +248,9 @@ class FeatureHeadDrafter(HeadDrafter):
         device = model.norm.weight.device
         self.fc.load([tensors["fc.weight"].to(device=device, dtype=model.dtype)],
                      [tensors["fc.bias"].to(device=device, dtype=model.dtype)], pack=pack)
+
+    def _projections(self) -> list[Projection]:
+        return [*super()._projections(), self.fc]
 
     @torch.inference_mode()
     def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:

@@ -35,6 +35,9 @@ class TreeSearchDrafter(Drafter, UsesTarget, Estimates):
             raise ValueError(f"tree search needs top_k >= 1 and beam >= 1, got top_k={top_k}, beam={beam}")
         self.top_k, self.beam, self.max_rounds = top_k, beam, max_rounds
         self.vocab_size: int | None = None  # the target's, set by attach()
+        # The token of each column of `_forward`'s logits (None: column i is token i, and columns
+        # from the target's vocabulary size on are padding); a head scores its draft vocabulary only.
+        self.column_tokens: torch.Tensor | None = None
         self.forwards = 0  # draft forwards run so far
         self._round_times = RecentMedian()  # growth rounds' forwards (the first round also catches up)
         self.rounds_per_step: float | None = None  # running average of the rounds a step takes
@@ -63,7 +66,9 @@ class TreeSearchDrafter(Drafter, UsesTarget, Estimates):
             self.forwards += 1
             start = time.perf_counter()
             for search, logits in zip(active, self._forward(active), strict=True):
-                search.expand(logits[:, : self.vocab_size], self.vocab_size)
+                if self.column_tokens is None:
+                    logits = logits[:, : self.vocab_size]
+                search.expand(logits, self.vocab_size, self.column_tokens)
             if rounds:  # the first round also catches up on new tokens (a whole prompt, at times)
                 self._round_times.add(time.perf_counter() - start)
             rounds += 1
@@ -80,7 +85,8 @@ class TreeSearchDrafter(Drafter, UsesTarget, Estimates):
 
     @abstractmethod
     def _forward(self, searches: list[_Search]) -> list[torch.Tensor]:
-        """Logits `[len(frontier), vocab]` for every search, in one batched draft forward."""
+        """Logits `[len(frontier), columns]` for every search (see `column_tokens`), in one batched
+        draft forward."""
 
 
 class _Search:
@@ -168,17 +174,19 @@ class _Search:
                 parents.append(position[self.parents[node]])
         return TokenTree(tuple(tokens), tuple(parents))
 
-    def expand(self, logits: torch.Tensor, vocab_size: int) -> None:
-        """Children for every frontier node from its row of draft logits."""
+    def expand(self, logits: torch.Tensor, vocab_size: int, column_tokens: torch.Tensor | None = None) -> None:
+        """Children for every frontier node from its row of draft logits (column j: token
+        `column_tokens[j]`, or token j)."""
         self.rounds += 1
         temperature = self.request.temperature if self.sampled else 1.0
         logq = torch.log_softmax(logits.float() / temperature, dim=-1)
         self._newest = []
         for node, row in zip(self.frontier, logq, strict=True):
             if self.sampled:
-                self._sample_children(node, row, vocab_size)
+                self._sample_children(node, row, vocab_size, column_tokens)
             else:
-                values, tokens = row.topk(min(self.top_k, row.numel()))
+                values, columns = row.topk(min(self.top_k, row.numel()))
+                tokens = columns if column_tokens is None else column_tokens[columns]
                 for value, token in zip(values.tolist(), tokens.tolist(), strict=True):
                     self._newest.append(self._add(node, token, self.scores[node] + value))
         self.frontier = []
@@ -192,7 +200,8 @@ class _Search:
         best = heapq.nlargest(self.request.tree_budget, self.scores[1:])
         return sum(math.exp(score) for score in best)
 
-    def _sample_children(self, node: int, logq: torch.Tensor, vocab_size: int) -> None:
+    def _sample_children(self, node: int, logq: torch.Tensor, vocab_size: int,
+                         column_tokens: torch.Tensor | None) -> None:
         k = min(self.top_k, self.remaining)
         if k <= 0:
             return
@@ -200,9 +209,13 @@ class _Search:
         generator = self.request.generator  # a seeded request's draws come from its host generator
         source = q if generator is None or generator.device == q.device else q.cpu()
         drawn = torch.multinomial(source, k, replacement=False, generator=generator).tolist()
-        self.probs[node] = F.pad(q, (0, vocab_size - q.numel()))
-        for token in drawn:
-            self._add(node, token, self.scores[node] + float(logq[token]))
+        if column_tokens is None:
+            self.probs[node] = F.pad(q, (0, vocab_size - q.numel()))
+        else:  # q over the whole vocabulary, for verification
+            self.probs[node] = q.new_zeros(vocab_size).index_copy_(0, column_tokens, q)
+        for column in drawn:
+            token = column if column_tokens is None else int(column_tokens[column])
+            self._add(node, token, self.scores[node] + float(logq[column]))
 
     def _add(self, parent: int, token: int, score: float) -> int:
         node = len(self.tokens)

@@ -185,6 +185,22 @@ class DecoderStack : public torch::CustomClassHolder {
 
   void set_head_bias(at::Tensor bias) { head_.bias = std::move(bias); }
 
+  // The residual stream after every layer (as x + delta) of a step from its token ids.
+  std::tuple<at::Tensor, std::optional<at::Tensor>> final_stream(
+      const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+      const at::Tensor& slot_mapping, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+      const at::Tensor& block_tables, const at::Tensor& ancestor_mask, double scale) {
+    TORCH_CHECK(final_norm_.defined() && !head_.parts.empty() && embedding_.bound() && cos_.defined(),
+                "DecoderStack: logits needs the embedding, rotary tables, final norm and LM head bound");
+    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
+    return forward(embed(ids), std::nullopt, cos, sin, k_cache, v_cache, slot_mapping, query_start_loc,
+                   context_lens, block_tables, ancestor_mask, scale, 0, static_cast<int64_t>(layers_.size()));
+  }
+
+  at::Tensor final_norm(const at::Tensor& x, const std::optional<at::Tensor>& delta) {
+    return delta ? std::get<1>(add_norm_.call(x, *delta, final_norm_, eps_)) : norm_.call(x, final_norm_, eps_);
+  }
+
   // A step from the token ids [T] at `positions` to the float32 logits of the tokens `rows` names
   // (all when absent): the embedding, every layer as `forward` runs them, the final residual add
   // and norm, the LM head. Token ids outside the vocabulary, and positions past the tables, are refused.
@@ -192,19 +208,24 @@ class DecoderStack : public torch::CustomClassHolder {
                     const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
                     const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& ancestor_mask,
                     double scale, std::optional<at::Tensor> rows) {
-    TORCH_CHECK(final_norm_.defined() && !head_.parts.empty() && embedding_.bound() && cos_.defined(),
-                "DecoderStack: logits needs the embedding, rotary tables, final norm and LM head bound");
-    const at::Tensor cos = cos_.index_select(0, positions), sin = sin_.index_select(0, positions);
-    auto [x, delta] = forward(embed(ids), std::nullopt, cos, sin, k_cache, v_cache, slot_mapping, query_start_loc,
-                              context_lens, block_tables, ancestor_mask, scale, 0,
-                              static_cast<int64_t>(layers_.size()));
+    auto [x, delta] = final_stream(ids, positions, k_cache, v_cache, slot_mapping, query_start_loc, context_lens,
+                                   block_tables, ancestor_mask, scale);
     if (rows) {
       x = x.index_select(0, *rows);
       if (delta) delta = delta->index_select(0, *rows);
     }
-    const at::Tensor normed = delta ? std::get<1>(add_norm_.call(x, *delta, final_norm_, eps_))
-                                    : norm_.call(x, final_norm_, eps_);
-    return head_(normed);
+    return head_(final_norm(x, delta));
+  }
+
+  // `logits`, and the final-normed states of every token (what a feature head drafts from).
+  std::tuple<at::Tensor, at::Tensor> logits_and_normed(
+      const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+      const at::Tensor& slot_mapping, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+      const at::Tensor& block_tables, const at::Tensor& ancestor_mask, double scale, std::optional<at::Tensor> rows) {
+    auto [x, delta] = final_stream(ids, positions, k_cache, v_cache, slot_mapping, query_start_loc, context_lens,
+                                   block_tables, ancestor_mask, scale);
+    const at::Tensor normed = final_norm(x, delta);
+    return {head_(rows ? normed.index_select(0, *rows) : normed), normed};
   }
 
   // Layers [begin, end) over the step: the residual stream enters as x + delta (delta absent: x)
@@ -363,5 +384,6 @@ TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
       .def("add_head_part", &DecoderStack::add_head_part)
       .def("set_head_bias", &DecoderStack::set_head_bias)
       .def("forward", &DecoderStack::forward)
+      .def("logits_and_normed", &DecoderStack::logits_and_normed)
       .def("logits", &DecoderStack::logits);
 }

@@ -192,13 +192,18 @@ class LlamaForCausalLM(nn.Module):
 
         `num_layers` stops after the first layers and applies the final norm and LM head there
         (early exit: the target's own cheap draft, reusing its cache for those layers)."""
-        if not hidden_at and num_layers in (None, self.config.num_layers) and self.output_ids is None:
+        total = self.config.num_layers
+        final_only = tuple(hidden_at) in ((), (total,))  # nothing, or the final-normed states (a feature head's)
+        if final_only and num_layers in (None, total) and self.output_ids is None:
             stack = self._decoder_stack(input_ids.device, self.dtype, kv_cache, whole_step=True)
             if stack is not None:
-                logits = stack.logits(input_ids, meta.positions, kv_cache.k, kv_cache.v, meta.slot_mapping,
-                                      meta.query_start_loc, meta.context_lens, meta.block_tables, meta.ancestor_mask,
-                                      self.layers[0].self_attn.scale, logits_indices)
-                return ForwardOutput(logits=logits, hidden={})
+                args = (input_ids, meta.positions, kv_cache.k, kv_cache.v, meta.slot_mapping, meta.query_start_loc,
+                        meta.context_lens, meta.block_tables, meta.ancestor_mask, self.layers[0].self_attn.scale,
+                        logits_indices)
+                if not hidden_at:
+                    return ForwardOutput(logits=stack.logits(*args), hidden={})
+                logits, normed = stack.logits_and_normed(*args)
+                return ForwardOutput(logits=logits, hidden={total: normed})
         normed, hidden = self.final_hidden(input_ids, meta, kv_cache, logits_indices, hidden_at, num_layers)
         return ForwardOutput(logits=self.score(normed), hidden=hidden)
 
@@ -290,25 +295,8 @@ class LlamaForCausalLM(nn.Module):
         """The stack over the layers' weights (None: a projection is not in quantized blocks), and
         whether it also holds the embedding, final norm and LM head, which `forward` then leaves to
         it too (an LM head in plain weights, or a bf16 embedding, stay here)."""
-        layers = list(self.layers)
-        slots = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                 for layer in layers]
-        if not layers or not all(p.quantized and p.collective is None for projections in slots for p in projections):
-            return None, False  # (a tensor-parallel shard's sums over ranks happen in the modules)
-        cfg = self.config
-        stack = native.decoder_stack(len(layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-        for index, (layer, projections) in enumerate(zip(layers, slots, strict=True)):
-            stack.set_norms(index, layer.input_layernorm.weight.detach(),
-                            layer.post_attention_layernorm.weight.detach())
-            for slot, projection in enumerate(projections):
-                for op, tensors, ints in _kernel_calls(projection):
-                    stack.add_part(index, slot, op, tensors, ints)
-                if projection.fused_bias is not None:
-                    stack.set_bias(index, slot, projection.fused_bias)
-            swiglu = _swiglu_call(layer.mlp.gate_up_proj)
-            if swiglu is not None:
-                stack.set_swiglu(index, *swiglu)
-        return stack, self._bind_ends(stack)
+        stack = build_decoder_stack(list(self.layers), self.config)
+        return (stack, self._bind_ends(stack)) if stack is not None else (None, False)
 
     def _bind_ends(self, stack: torch.ScriptObject) -> bool:
         """Bind the embedding, final norm and LM head to the stack where it can run them."""
@@ -349,6 +337,29 @@ def bind_embedding(stack: torch.ScriptObject, embedding: nn.Module) -> bool:
     else:
         return False
     return True
+
+
+def build_decoder_stack(layers: Sequence[DecoderLayer], config: ModelConfig) -> torch.ScriptObject | None:
+    """`layers` as one `native.decoder_stack` (their K/V: layers 0.. of the cache it is run with);
+    None where a projection is not in quantized blocks, or is a tensor-parallel shard (whose sums
+    over ranks happen in the modules)."""
+    slots = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+             for layer in layers]
+    if not layers or not all(p.quantized and p.collective is None for projections in slots for p in projections):
+        return None
+    stack = native.decoder_stack(len(layers), config.num_heads, config.num_kv_heads, config.head_dim,
+                                 config.rms_norm_eps)
+    for index, (layer, projections) in enumerate(zip(layers, slots, strict=True)):
+        stack.set_norms(index, layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+        for slot, projection in enumerate(projections):
+            for op, tensors, ints in _kernel_calls(projection):
+                stack.add_part(index, slot, op, tensors, ints)
+            if projection.fused_bias is not None:
+                stack.set_bias(index, slot, projection.fused_bias)
+        swiglu = _swiglu_call(layer.mlp.gate_up_proj)
+        if swiglu is not None:
+            stack.set_swiglu(index, *swiglu)
+    return stack
 
 
 def _swiglu_call(gate_up: Projection) -> tuple[str, list[torch.Tensor], list[int]] | None:

@@ -144,6 +144,32 @@ def test_sampled_children_are_a_draw_without_replacement_with_their_distribution
     assert abs(hits / 400 - q0) < 4 * math.sqrt(q0 * (1 - q0) / 400)
 
 
+class SubsetDrafter(TableDrafter):
+    """The table's logits over a draft vocabulary only: column j scores token `column_tokens[j]`."""
+
+    def __init__(self, table: torch.Tensor, column_tokens: list[int], **options):
+        super().__init__(table, **options)
+        self.column_tokens = torch.tensor(column_tokens)
+
+    def _forward(self, searches):
+        return [rows[:, self.column_tokens] for rows in super()._forward(searches)]
+
+
+def test_a_draft_vocabulary_drafts_its_columns_tokens_and_samples_with_q_over_the_whole_vocabulary():
+    table = confident_table()
+    subset = [5, 1, 2, 3, 4]  # token 0 is not in it
+    (greedy,) = SubsetDrafter(table, subset, top_k=1, beam=1).propose([request(3)])
+    assert greedy.tree.tokens == (0, 1, 2, 3)  # token ids, not columns
+    (sampled,) = SubsetDrafter(table, subset, top_k=2, beam=1).propose(
+        [request(4, temperature=1.0, generator=torch.Generator().manual_seed(1))])
+    for node, q in sampled.probs.items():
+        assert q.shape == (VOCAB,) and float(q[0]) == 0.0  # off the draft vocabulary: never drafted
+        expected = torch.zeros(VOCAB)
+        expected[subset] = torch.softmax(table[sampled.tree.tokens[node], subset], -1)
+        torch.testing.assert_close(q, expected)
+    assert 0 not in sampled.tree.tokens[1:]
+
+
 def test_an_unattached_drafter_says_so():
     drafter = TableDrafter(confident_table())
     drafter.vocab_size = None

@@ -495,3 +495,53 @@ def test_sampled_head_trees_keep_the_distribution(small_vocab_model, small_vocab
     assert chain_engine.drafter.sampled_nodes > 1000 and tree_engine.drafter.sampled_nodes > 1000
     p_value = chi_square_two_sample(plain_counts(small_vocab_model, "T=1"), chains + trees)
     assert p_value > 0.01, f"{kind} head speculation changed the distribution (p = {p_value:.2e})"
+
+
+@pytest.mark.parametrize("kind", ["feature", "early-exit"])
+def test_beside_a_target_in_quantized_blocks_a_head_runs_8_bit_blocks_in_one_call(tiny_checkpoint, smollm2_path,
+                                                                            tmp_path, kind):
+    """On a CPU serving quantized blocks, a head's projections are requantized to 8-bit blocks
+    and its layer runs as one C++ call computing its modules' bits; it drafts only tokens of its
+    draft vocabulary, and greedy output stays the target's."""
+    from drafters.heads import HEAD_BITS, HeadConfig, save_head, target_fingerprint
+    from specserve.model_runner import TreeRequest
+    from specserve.training.heads import TrainableHead
+    from specserve.tree import TokenTree
+
+    path = tiny_checkpoint(seed=4)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((smollm2_path / name).read_bytes())
+    plain = LLMEngine(path, "float32", EngineConfig(quantization="int4", speculation="off"))
+    torch.manual_seed(5)
+    vocab_ids = torch.randperm(plain.model.config.vocab_size)[:128].sort().values
+    layer = plain.model.config.num_layers if kind == "feature" else 1
+    head = TrainableHead(plain.model, kind, layer, vocab_ids)
+    save_head(tmp_path / "head", HeadConfig(kind, "tiny", target_fingerprint(path), layer, len(vocab_ids)),
+              head.tensors())
+    engine = LLMEngine(path, "float32", EngineConfig(quantization="int4", draft=f"{kind}:{tmp_path / 'head'}",
+                                                     speculation="fixed", max_tree_tokens=6, draft_top_k=2,
+                                                     draft_beam=2))
+    drafter = engine.drafter
+    assert drafter.stack is not None
+    assert all(w.bits == HEAD_BITS for p in drafter._projections() for w in p.quantized)
+    requests = [TreeRequest(TokenTree.chain([3, 9, 27, 81]), 0, [0, 1])]
+    x = torch.randn(4, plain.model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        stacked = drafter.target_runner.run_layer(drafter.layer, drafter.cache, requests, x, drafter.stack)
+        modules = drafter.target_runner.run_layer(drafter.layer, drafter.cache, requests, x)
+    assert torch.equal(stacked, modules)
+
+    drafted: set[int] = set()
+    propose = drafter.propose
+
+    def recording(draft_requests):
+        drafts = propose(draft_requests)
+        drafted.update(t for d in drafts for t in d.tree.tokens[1:])
+        return drafts
+
+    drafter.propose = recording
+    prompts = [[1, 17, 33, 17, 33, 17], [2, 5, 8, 13, 21]]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = run_batch(engine, prompts, greedy)
+    assert tokens_of(outputs) == tokens_of(run_batch(plain, prompts, greedy))
+    assert engine.metrics.spec.drafted_tokens > 0 and drafted <= set(vocab_ids.tolist())

@@ -33,8 +33,10 @@ def steps(model) -> list[torch.Tensor]:
                               TreeRequest(TokenTree.chain(prompt[:6]), 0, [9, 10])], hidden_at=(1,))
     decode = runner.forward([TreeRequest(TokenTree.single(7), 21, [0, 1, 2, 3, 4, 5])])
     early = runner.forward([TreeRequest(TokenTree.single(8), 22, [0, 1, 2, 3, 4, 5])], num_layers=1)
+    # the final-normed states alone (what a feature head reads): a whole step in the stack too
+    final = runner.forward([TreeRequest(tree, 23, [0, 1, 2, 3, 4, 5, 6, 7], (0, 2, 5))], hidden_at=(last,))
     return [first.logits, *first.hidden.values(), batched.logits, *batched.hidden.values(), decode.logits,
-            early.logits, runner.kv_cache.k, runner.kv_cache.v]
+            early.logits, final.logits, final.hidden[last], runner.kv_cache.k, runner.kv_cache.v]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
