@@ -29,13 +29,15 @@ class RecentMedian:
     def __init__(self, window: int = 16, min_samples: int = 3):
         self._samples: deque[float] = deque(maxlen=window)
         self.min_samples = min_samples
+        self._value: float | None = None  # read every step's plan for every tree size: kept, not recomputed
 
     def add(self, value: float) -> None:
         self._samples.append(value)
+        self._value = statistics.median(self._samples) if len(self._samples) >= self.min_samples else None
 
     @property
     def value(self) -> float | None:
-        return statistics.median(self._samples) if len(self._samples) >= self.min_samples else None
+        return self._value
 
 
 @dataclass(frozen=True)

@@ -452,7 +452,9 @@ class LLMEngine:
         if not isinstance(drafter, Observes) or s.seq.is_finished:
             return
         hidden = rows.hidden
-        if hidden:
+        if hidden and path == list(range(len(path))):  # the rows in order (a decode, a chain): a view
+            hidden = {k: h[: s.num_tokens + len(path) - 1] for k, h in hidden.items()}
+        elif hidden:
             keep = torch.tensor([*range(s.num_tokens - 1), *(s.num_tokens - 1 + node for node in path)])
             hidden = {k: h[keep] for k, h in hidden.items()}
         try:

@@ -45,7 +45,9 @@ MIN_RATE_GAIN = 0.02
 # it is one guess (n-gram and suffix lookup make theirs where asked: suffix lookup over a full
 # cache, about 1% of a batch-1 step), and a skipped step at batch 1 is a whole step without
 # speculation (skipping after every failed look cost the repetitive workload a quarter of its
-# accepted tokens).
+# accepted tokens). Unless its drafter guesses nothing of its own (a model or a head: judged by
+# measured acceptance, which no step without a tree changes): then the next look would decide the
+# same, and a SmolLM2 feature head's looks were 5% of its batch-1 steps.
 DECIDING_SHARE = 0.002
 
 
@@ -133,28 +135,36 @@ class LookThrottle:
     def __init__(self, share: float = DECIDING_SHARE):
         self.share = share
         self._skips: dict[int, int] = {}  # steps left that decide nothing
+        self._owners: dict[int, int | None] = {}  # the lone sequence they were set for (batch 1)
         self._seconds: dict[int, float] = {}  # what the last look took
 
-    def skip(self, bucket: int) -> bool:
-        """Whether this step decides nothing (and counts it)."""
-        if self._skips.get(bucket, 0) > 0:
+    def skip(self, bucket: int, lone: int | None = None) -> bool:
+        """Whether this step decides nothing (and counts it). `lone`: the id of a step's only
+        sequence, whose skips are its own (another sequence's drafter may guess)."""
+        if self._skips.get(bucket, 0) > 0 and self._owners.get(bucket) == lone:
             self._skips[bucket] -= 1
             return True
+        self._skips.pop(bucket, None)
         return False
 
     def last_look(self, bucket: int) -> float:
         return self._seconds.get(bucket, 0.0)
 
-    def looked(self, bucket: int, seconds: float, found: bool, plain_seconds: float) -> None:
+    def looked(self, bucket: int, seconds: float, found: bool, plain_seconds: float, guessed: bool = True,
+               lone: int | None = None) -> None:
         self._seconds[bucket] = seconds
         if not found:
-            self.declined(bucket, seconds, plain_seconds)
+            self.declined(bucket, seconds, plain_seconds, guessed, lone)
 
-    def declined(self, bucket: int, seconds: float, plain_seconds: float) -> None:
+    def declined(self, bucket: int, seconds: float, plain_seconds: float, guessed: bool = True,
+                 lone: int | None = None) -> None:
         """A step decided against trees, which took `seconds` (a look, or the quick bound check:
-        at 32 clients, with the caches cold from the forward, that alone took ~90 us a step)."""
-        if bucket > _bucket(1):
+        at 32 clients, with the caches cold from the forward, that alone took ~90 us a step).
+        `guessed`: from this step's guesses, which a lone sequence (`lone`) has looked at every
+        step; else from measured acceptance alone."""
+        if bucket > _bucket(1) or not guessed:
             self._skips[bucket] = int(seconds / (self.share * plain_seconds))
+            self._owners[bucket] = lone
 
 
 class AdaptivePolicy(SpeculationPolicy):
@@ -219,7 +229,8 @@ class AdaptivePolicy(SpeculationPolicy):
         tree_budgets = dict.fromkeys(caps, 0)
         num_seqs, base_tokens, keys = shape.decodes, shape.tokens, shape.keys
         bucket = _bucket(num_seqs)
-        if self.throttle.skip(bucket):  # deciding found nothing lately: this step decides nothing
+        lone = next(iter(caps)).seq_id if len(caps) == 1 and num_seqs == 1 else None
+        if self.throttle.skip(bucket, lone):  # deciding found nothing lately: this step decides nothing
             return TreePlan(tree_budgets)
         deciding_since = self._clock()
         step_cost = self._step_cost(num_seqs)
@@ -248,7 +259,7 @@ class AdaptivePolicy(SpeculationPolicy):
         start = self._clock()
         found = self._best_plan(seqs, caps, room, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
                                 node_seconds, plain_rate, self.throttle.last_look(bucket))
-        self.throttle.looked(bucket, self._clock() - start, found is not None, plain_seconds)
+        self.throttle.looked(bucket, self._clock() - start, found is not None, plain_seconds, bound is not None, lone)
         if found is None:
             return plain
         rows, rate = found
@@ -339,6 +350,9 @@ def _nodes_by_gain(gains: np.ndarray, seq_ids: list[int], room: int) -> tuple[np
     """Every (sequence row, k-th drafted node) whose marginal gain `gains[row, k - 1]` (non-
     increasing along a row) is at least MIN_GAIN, best first (ties: shallower node, then older
     sequence), at most `room`: (rows, k, gains)."""
+    if len(gains) == 1:  # one sequence (batch 1, every step): its row's order, no sort
+        depths = np.flatnonzero(gains[0] >= MIN_GAIN)[:room]
+        return np.zeros(len(depths), dtype=np.int64), depths + 1, gains[0, depths]
     rows, cols = np.nonzero(gains >= MIN_GAIN)
     values = gains[rows, cols]
     order = np.lexsort((np.asarray(seq_ids)[rows], cols, -values))[:room]

@@ -538,6 +538,31 @@ def test_a_single_sequence_is_looked_at_every_step_however_long_its_looks_take()
     assert drafter.asked == 3
 
 
+def test_a_lone_sequence_judged_by_measured_acceptance_is_not_looked_at_again_until_looking_is_paid_for():
+    """A drafter that guesses nothing of its own (a model, a head) is judged by measured
+    acceptance, which steps without trees leave as it was: at batch 1 too, after a look that
+    found nothing worth a node took 1% of a step, the next four steps decide nothing. Another
+    sequence is looked at at once (its drafter may guess)."""
+    cost = ForwardCost([1, 128], [0.05, 5.76])  # each row costs nearly a step
+    reads = []
+
+    def clock() -> float:  # each reading 1% of a step later
+        reads.append(None)
+        return len(reads) * 0.01 * cost(1)
+
+    policy = AdaptivePolicy(cost, clock=clock)
+    drafter = MeasuredDrafter()
+    lone, other = decoding(0, accepted=1, steps=40), decoding(1, accepted=1, steps=40)
+    lone.drafter = other.drafter = drafter
+    assert plan_budgets(policy, {lone: 8}, 1, 1024) == {lone: 0}
+    looked = len(reads)
+    for _ in range(4):
+        assert plan_budgets(policy, {lone: 8}, 1, 1024) == {lone: 0}
+    assert len(reads) == looked, "steps that decide nothing read no clock"
+    assert plan_budgets(policy, {other: 8}, 1, 1024) == {other: 0}
+    assert len(reads) > looked
+
+
 def test_a_plan_pays_for_the_look_that_found_it():
     """Eight sure guesses among 64 decodes buy 12% more tokens per second, where nodes are nearly
     free: drafted while the policy does not know what looking costs. Once a look is known to
