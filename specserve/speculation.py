@@ -257,9 +257,10 @@ class AdaptivePolicy(SpeculationPolicy):
             self.throttle.declined(bucket, self._clock() - deciding_since, plain_seconds)
             return plain
         start = self._clock()
-        found = self._best_plan(seqs, caps, room, num_seqs, lambda nodes: step_seconds(nodes) - prompt_seconds,
-                                node_seconds, plain_rate, self.throttle.last_look(bucket))
-        self.throttle.looked(bucket, self._clock() - start, found is not None, plain_seconds, bound is not None, lone)
+        found, guessed = self._best_plan(seqs, caps, room, num_seqs,
+                                         lambda nodes: step_seconds(nodes) - prompt_seconds, node_seconds,
+                                         plain_rate, self.throttle.last_look(bucket))
+        self.throttle.looked(bucket, self._clock() - start, found is not None, plain_seconds, guessed, lone)
         if found is None:
             return plain
         rows, rate = found
@@ -269,18 +270,19 @@ class AdaptivePolicy(SpeculationPolicy):
 
     def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], room: int, num_seqs: int,
                    step_seconds: Callable[[np.ndarray], np.ndarray], node_seconds: float,
-                   plain_rate: float, look_seconds: float) -> tuple[np.ndarray, float] | None:
+                   plain_rate: float, look_seconds: float) -> tuple[tuple[np.ndarray, float] | None, bool]:
         """The sequence row of every node of the best plan, and its rate (None: plain steps are
-        as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN).
+        as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN);
+        and whether any sequence was judged by its drafter's guess for this step (`_gains`).
         A plan also pays for the look that found it (`look_seconds`, the last look's at this
         batch size): a plan found keeps the policy looking every step, which a busy server's
         32 n-gram searches make 1% of its step, while plain steps need no look at all."""
-        gains = self._gains(seqs, [caps[seq] for seq in seqs])
+        gains, guessed = self._gains(seqs, [caps[seq] for seq in seqs])
         if gains[:, 0].max() / plain_rate <= node_seconds:
-            return None
+            return None, guessed
         rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], room)
         if not len(rows):
-            return None
+            return None, guessed
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
@@ -288,15 +290,17 @@ class AdaptivePolicy(SpeculationPolicy):
         rates = tokens / seconds
         best = int(np.argmax(rates))
         if rates[best] <= plain_rate * (1 + MIN_RATE_GAIN):
-            return None
-        return rows[: best + 1], float(rates[best])
+            return None, guessed
+        return (rows[: best + 1], float(rates[best])), guessed
 
-    def _gains(self, seqs: list[Sequence], caps: list[int]) -> np.ndarray:
+    def _gains(self, seqs: list[Sequence], caps: list[int]) -> tuple[np.ndarray, bool]:
         """P_r(k) for every sequence r and k = 1..its cap (0 beyond): the drafter's estimate of
-        this step's proposal, or the sequence's credited acceptance to the k-th power."""
+        this step's proposal, or the sequence's credited acceptance to the k-th power; and
+        whether any came from an estimate (a guess for this step, which the next may not share)."""
         depth = np.arange(1, max(caps) + 1)
         gains = np.zeros((len(seqs), len(depth)))
         credited: set[Drafter] = set()
+        guessed = False
         for row, (seq, cap) in enumerate(zip(seqs, caps, strict=True)):
             estimates = isinstance(seq.drafter, Estimates)
             profile = seq.drafter.acceptance_profile(seq.seq_id, seq.token_ids, cap) if estimates else None
@@ -305,9 +309,10 @@ class AdaptivePolicy(SpeculationPolicy):
                 gains[row, :cap] = self._credited_alpha(seq) ** depth[:cap]
             else:
                 gains[row, :cap] = profile
+                guessed = True
         for drafter in credited:
             self._record(drafter).looks += 1
-        return gains
+        return gains, guessed
 
     def _credited_alpha(self, seq: Sequence) -> float:
         """Acceptance plus the drafter's exploration credit (see EXPLORE)."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from drafters.base import Commit, Draft, Drafter, DraftRequest
-from drafters.merge import MergedDrafter, agreement, budget_shares, tree_paths
+import pytest
+
+from drafters.base import Commit, Draft, Drafter, DraftRequest, Estimates
+from drafters.merge import EXPLORE_EVERY, MergedDrafter, agreement, budget_shares, tree_paths
 from drafters.ngram import NgramDrafter
 from specserve.tree import TokenTree
 
@@ -83,6 +85,74 @@ def test_release_forgets_the_sequence():
     assert merged.worth(5) == merged.overall and not merged._proposed
 
 
+class Costly(Fixed, Estimates):
+    """A fixed chain that takes `seconds` to propose (a head's or a draft model's forwards)."""
+
+    def __init__(self, chain: list[int], seconds: float):
+        super().__init__(chain)
+        self.seconds, self.asked = seconds, 0
+
+    def propose(self, requests):
+        self.asked += len(requests)
+        return super().propose(requests)
+
+    def step_cost(self, tree_budget: int) -> float:
+        return self.seconds
+
+
+def paced_step(merged: MergedDrafter, tokens: list[int], target: list[int], token_seconds: float) -> TokenTree:
+    """`step` at a going rate of `token_seconds` a token."""
+    tree = merged.propose([DraftRequest(0, tokens, 4, 4, token_seconds=token_seconds)])[0].tree
+    tokens += target[:3]
+    merged.observe(Commit(0, list(tokens), len(tokens) - 4, {}))
+    return tree
+
+
+def test_a_part_that_adds_nothing_worth_its_time_is_asked_ever_more_rarely_to_measure_it_again():
+    """A costly part proposing what a free one does adds no token: at 0.1 s a token, its 1 s a
+    step is not worth it, so it is asked on the EXPLORE_EVERY-th step, then after twice as many,
+    then four times; the merge's cost to the policy is mostly the free part's (nothing)."""
+    costly = Costly(A, seconds=1.0)
+    merged = MergedDrafter([Fixed(A), costly])
+    tokens = [1, 2, 3]
+    asked = []
+    for _ in range(7 * EXPLORE_EVERY):
+        assert first_chain(paced_step(merged, tokens, A, token_seconds=0.1)) == A
+        asked.append(costly.asked)
+    assert [asked.index(n) + 1 for n in (1, 2, 3)] == [EXPLORE_EVERY, 3 * EXPLORE_EVERY, 7 * EXPLORE_EVERY]
+    assert merged.step_cost(4) == 1.0 / EXPLORE_EVERY
+    assert merged.propose([DraftRequest(0, tokens, 4, 4)]) and costly.asked == 4  # no going rate: all asked
+
+
+def test_a_costly_part_whose_guesses_the_target_keeps_is_asked_every_step_once_measured():
+    """The free part guesses wrong, the costly one right: each time it is asked its margin (three
+    tokens beyond the free part's none) grows, until at 0.1 s a token it pays its 0.2 s a step."""
+    costly = Costly(B, seconds=0.2)
+    merged = MergedDrafter([Fixed(A), costly])
+    tokens = [1, 2, 3]
+    for _ in range(3 * EXPLORE_EVERY):
+        paced_step(merged, tokens, B, token_seconds=0.1)
+    assert merged.margin(0)[1] > 2.0 > 0.01 > merged.margin(0)[0]
+    before = costly.asked
+    for _ in range(5):
+        assert first_chain(paced_step(merged, tokens, B, token_seconds=0.1)) == B
+    assert costly.asked == before + 5
+
+
+def test_a_merge_of_a_free_part_and_a_part_not_asked_is_worth_the_free_parts_guess():
+    """The policy weighs the parts worth asking: while the costly part (no estimate of its own)
+    is not worth its time, the merge's estimate is the n-gram guess's, also on the step that
+    explores it."""
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2]
+    ngram, costly = NgramDrafter(), Costly(A, seconds=1.0)
+    merged = MergedDrafter([ngram, costly])
+    for _ in range(EXPLORE_EVERY):
+        assert merged.acceptance_profile(0, tokens, 3) == ngram.acceptance_profile(0, tokens, 3)
+        assert merged.acceptance_bound() == ngram.acceptance_bound()
+        merged.propose([DraftRequest(0, tokens, 3, 3, token_seconds=0.1)])
+    assert costly.asked == 1  # explored on a step planned by the n-gram guess
+
+
 def test_shares_follow_worth_and_always_add_up_to_the_budget():
     assert budget_shares(8, [3.0, 1.0]) == [6, 2]
     assert budget_shares(5, [0.0, 0.0, 0.0]) == [2, 2, 1]
@@ -113,4 +183,10 @@ def test_what_a_merge_is_worth_is_at_least_its_surest_parts_guess():
     profiles = [p.acceptance_profile(0, tokens, 3) for p in parts]
     assert merged.acceptance_profile(0, tokens, 3) == [max(a, b) for a, b in zip(*profiles, strict=True)]
     assert merged.acceptance_bound() == max(p.acceptance_bound() for p in parts)
-    assert MergedDrafter([NgramDrafter(), Fixed(A)]).acceptance_profile(0, tokens, 3) is None  # a part with none
+    # a part with no estimate of its own, at its measured worth: 1 token a step before anything is measured
+    assert MergedDrafter([NgramDrafter(), Fixed(A)]).acceptance_profile(0, tokens, 3) == [
+        max(a, b) for a, b in zip(profiles[0], [0.5, 0.25, 0.125], strict=True)]
+    merged = MergedDrafter([Fixed(B), Fixed(A)])
+    for _ in range(8):
+        step(merged, 0, [1, 2, 3], A)  # A's chains accepted three tokens a step
+    assert merged.acceptance_profile(0, [1, 2, 3], 2) == pytest.approx([0.75, 0.5625], abs=0.02)
