@@ -11,11 +11,12 @@ A part that costs time to ask (a head, a draft model: `Estimates.step_cost`) is 
 what it adds is worth that time: its margin, the tokens the merged tree would have accepted
 beyond what the other parts' paths alone would have (measured whenever it is asked), at the
 step's going rate (`DraftRequest.token_seconds`). Otherwise it is explored: asked on one drafted
-step in EXPLORE_EVERY (any sequence's, planned without it), so its margin is measured anew; each
-exploration that finds it still not worth its time doubles that interval (up to
-MAX_EXPLORE_EVERY), one that finds it worth it resets it. (A SmolLM2 feature head asked on every
-16th step of each sequence cost n-gram lookup beside it 8% of its speed on a CPU, where it never
-paid.) Free parts (n-gram and suffix lookup) are always asked.
+step in EXPLORE_EVERY (any sequence's, planned without it), so its margin is measured anew; an
+exploration whose tokens beyond the other parts' did not pay for it doubles that interval (up to
+MAX_EXPLORE_EVERY), one whose tokens did resets it. A part that costs time starts at no margin:
+it earns its place by exploration. (A SmolLM2 feature head asked on every 16th step of each
+sequence, and at first everywhere, cost n-gram lookup beside it 8% of its speed on a CPU, where
+the head never paid.) Free parts (n-gram and suffix lookup) are always asked.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from specserve.tree import TokenTree
 SEQUENCE_RATE = 0.3  # weight of the latest step in a sequence's average: a few steps to follow a change
 OVERALL_RATE = 0.02  # the same over all sequences (a new sequence's starting point)
 PRIOR_WORTH = 1.0  # before anything is measured: an equal split
+PRIOR_MARGIN = 0.0  # ... and a part that costs time has to show what it adds (explored) before it is asked
 EXPLORE_EVERY = 16  # a part not worth its time is still asked on one drafted step in this many at first
 MAX_EXPLORE_EVERY = 1024  # ... and in this many after explorations kept finding it not worth it
 
@@ -42,7 +44,7 @@ class MergedDrafter(Drafter, Observes, Estimates):
         self.drafters = list(drafters)
         self.spec = "+".join(d.spec for d in drafters)
         self.overall = [PRIOR_WORTH] * len(self.drafters)
-        self.overall_margin = [PRIOR_WORTH] * len(self.drafters)
+        self.overall_margin = [PRIOR_MARGIN] * len(self.drafters)
         self._worth: dict[int, list[float]] = {}  # seq_id -> each part's worth for that sequence
         self._margin: dict[int, list[float]] = {}  # seq_id -> each part's margin for that sequence
         self._unasked = [0] * len(self.drafters)  # drafted steps since each part was asked
@@ -126,17 +128,16 @@ class MergedDrafter(Drafter, Observes, Estimates):
         worth = self._worth.setdefault(commit.seq_id, list(self.overall))
         margin = self._margin.setdefault(commit.seq_id, list(self.overall_margin))
         best = max(accepted.values())
+        costs = self._costs(tree_budget)
         for p, tokens in accepted.items():
             beyond = best - max((a for q, a in accepted.items() if q != p), default=0)
             worth[p] += SEQUENCE_RATE * (tokens - worth[p])
             margin[p] += SEQUENCE_RATE * (beyond - margin[p])
             self.overall[p] += OVERALL_RATE * (tokens - self.overall[p])
             self.overall_margin[p] += OVERALL_RATE * (beyond - self.overall_margin[p])
-        if explored and self._token_seconds is not None:
-            worth_asking = self._worth_asking(commit.seq_id, self._token_seconds, tree_budget)
-            for p in explored:
-                self._explore_every[p] = (EXPLORE_EVERY if worth_asking[p]
-                                          else min(2 * self._explore_every[p], MAX_EXPLORE_EVERY))
+            if p in explored:  # what it added this time paid for it: explore it often again
+                paid = self._token_seconds is not None and costs[p] <= beyond * self._token_seconds
+                self._explore_every[p] = EXPLORE_EVERY if paid else min(2 * self._explore_every[p], MAX_EXPLORE_EVERY)
 
     def release(self, seq_id: int) -> None:
         for table in (self._worth, self._margin, self._proposed):
@@ -184,8 +185,8 @@ class MergedDrafter(Drafter, Observes, Estimates):
     def step_cost(self, tree_budget: int) -> float:
         """The parts worth their time over all sequences, and a share of the others' (explored)."""
         costs = self._costs(tree_budget)
-        return sum(cost if trusted else cost / EXPLORE_EVERY
-                   for cost, trusted in zip(costs, self._trusted(tree_budget), strict=True))
+        return sum(cost if trusted else cost / self._explore_every[p]
+                   for p, (cost, trusted) in enumerate(zip(costs, self._trusted(tree_budget), strict=True)))
 
 
 def budget_shares(budget: int, worth: Sequence[float]) -> list[int]:

@@ -120,17 +120,18 @@ def test_a_part_that_adds_nothing_worth_its_time_is_asked_ever_more_rarely_to_me
         assert first_chain(paced_step(merged, tokens, A, token_seconds=0.1)) == A
         asked.append(costly.asked)
     assert [asked.index(n) + 1 for n in (1, 2, 3)] == [EXPLORE_EVERY, 3 * EXPLORE_EVERY, 7 * EXPLORE_EVERY]
-    assert merged.step_cost(4) == 1.0 / EXPLORE_EVERY
+    assert merged.step_cost(4) == 1.0 / (8 * EXPLORE_EVERY)  # explored ever more rarely
     assert merged.propose([DraftRequest(0, tokens, 4, 4)]) and costly.asked == 4  # no going rate: all asked
 
 
 def test_a_costly_part_whose_guesses_the_target_keeps_is_asked_every_step_once_measured():
-    """The free part guesses wrong, the costly one right: each time it is asked its margin (three
-    tokens beyond the free part's none) grows, until at 0.1 s a token it pays its 0.2 s a step."""
+    """The free part guesses wrong, the costly one right: each time it is explored its margin
+    (three tokens beyond the free part's none, which pays for it) grows, and it is explored
+    again as often as at first, until at 0.1 s a token its margin pays its 0.2 s a step."""
     costly = Costly(B, seconds=0.2)
     merged = MergedDrafter([Fixed(A), costly])
     tokens = [1, 2, 3]
-    for _ in range(3 * EXPLORE_EVERY):
+    for _ in range(5 * EXPLORE_EVERY):
         paced_step(merged, tokens, B, token_seconds=0.1)
     assert merged.margin(0)[1] > 2.0 > 0.01 > merged.margin(0)[0]
     before = costly.asked
