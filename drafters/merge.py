@@ -13,10 +13,11 @@ beyond what the other parts' paths alone would have (measured whenever it is ask
 step's going rate (`DraftRequest.token_seconds`). Otherwise it is explored: asked on one drafted
 step in EXPLORE_EVERY (any sequence's, planned without it), so its margin is measured anew; an
 exploration whose tokens beyond the other parts' did not pay for it doubles that interval (up to
-MAX_EXPLORE_EVERY), one whose tokens did resets it. A part that costs time starts at no margin:
-it earns its place by exploration. (A SmolLM2 feature head asked on every 16th step of each
-sequence, and at first everywhere, cost n-gram lookup beside it 8% of its speed on a CPU, where
-the head never paid.) Free parts (n-gram and suffix lookup) are always asked.
+MAX_EXPLORE_EVERY), one whose tokens did keeps it, and one after which the margin pays resets it.
+A part that costs time starts at no margin: it earns its place by exploration. (A SmolLM2
+feature head asked on every 16th step of each sequence, and at first everywhere, cost n-gram
+lookup beside it 8% of its speed on a CPU, where the head never paid.) Free parts (n-gram and
+suffix lookup) are always asked.
 """
 
 from __future__ import annotations
@@ -135,9 +136,18 @@ class MergedDrafter(Drafter, Observes, Estimates):
             margin[p] += SEQUENCE_RATE * (beyond - margin[p])
             self.overall[p] += OVERALL_RATE * (tokens - self.overall[p])
             self.overall_margin[p] += OVERALL_RATE * (beyond - self.overall_margin[p])
-            if p in explored:  # what it added this time paid for it: explore it often again
-                paid = self._token_seconds is not None and costs[p] <= beyond * self._token_seconds
-                self._explore_every[p] = EXPLORE_EVERY if paid else min(2 * self._explore_every[p], MAX_EXPLORE_EVERY)
+            if p in explored and self._token_seconds is not None:
+                self._explore_every[p] = self._next_exploration(p, beyond, margin[p], costs[p])
+
+    def _next_exploration(self, part: int, beyond: float, margin: float, cost: float) -> int:
+        """The part's exploration interval after an exploration that found it adding `beyond`
+        tokens: back to the first if its margin now pays for it; kept if this time's tokens did
+        (a margin grows over a few explorations); else doubled."""
+        if cost <= margin * self._token_seconds:
+            return EXPLORE_EVERY
+        if cost <= beyond * self._token_seconds:
+            return self._explore_every[part]
+        return min(2 * self._explore_every[part], MAX_EXPLORE_EVERY)
 
     def release(self, seq_id: int) -> None:
         for table in (self._worth, self._margin, self._proposed):
