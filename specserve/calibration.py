@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -39,14 +40,15 @@ def calibration_sizes(max_tokens: int) -> list[int]:
     return [*(size for size in sizes if size < max_tokens), max_tokens]
 
 
-def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress: bool = False) -> ForwardCost:
+def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress: bool = False,
+            max_len: int | None = None) -> ForwardCost:
     """Time forwards of `calibration_sizes(max_tokens)` new tokens after a short context, in
     scratch blocks given back afterwards: after one warm-up forward, `REPEATS` timed passes (the
     fastest per size). Passes, not one size after another: a machine that slows for a few
     seconds then slows one pass, not a few neighbouring sizes, which would put a false step
-    into the curve."""
+    into the curve. No forward reaches past `max_len` positions (the model's length)."""
     sizes = calibration_sizes(max_tokens)
-    capacity = blocks.num_free_blocks * blocks.block_size
+    capacity = min(blocks.num_free_blocks * blocks.block_size, max_len or sys.maxsize)
     context = min(CALIBRATION_CONTEXT, max(0, capacity - sizes[-1]))
     sizes = [n for n in sizes if context + n <= capacity] or [1]
     # One warm-up forward, of the largest size: the timed passes then find every buffer and
@@ -71,7 +73,7 @@ def measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, progress
 
 
 def load_or_measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, model_path: Path,
-                    cache: Path | None = None) -> ForwardCost:
+                    cache: Path | None = None, max_len: int | None = None) -> ForwardCost:
     """The cached table for this model, dtype and machine, or a fresh measurement (then cached)."""
     file = _cache_file(runner, model_path, max_tokens, cache)
     if file.exists():
@@ -80,7 +82,7 @@ def load_or_measure(runner: ModelRunner, blocks: BlockManager, max_tokens: int, 
             return ForwardCost(list(data["sizes"]), list(data["seconds"]))
         except (ValueError, KeyError):
             pass  # a damaged cache entry: measure again
-    cost = measure(runner, blocks, max_tokens, progress=True)
+    cost = measure(runner, blocks, max_tokens, progress=True, max_len=max_len)
     file.parent.mkdir(parents=True, exist_ok=True)
     temporary = file.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(cost.to_json()))

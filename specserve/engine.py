@@ -398,7 +398,7 @@ class LLMEngine:
         """The adaptive policy needs the forward cost curve: cached, or measured once now."""
         if isinstance(self.policy, AdaptivePolicy) and self.policy.forward_cost is None:
             self.policy.calibrate(load_or_measure(self.runner, self.block_manager, self.config.max_num_batched_tokens,
-                                                  self.model_path))
+                                                  self.model_path, max_len=self.max_model_len))
 
     def _build_drafter(self, spec: str, at_start: bool) -> Drafter | None:
         """A drafter for `spec`, reusing parts already built. Drafters with K/V of their own (draft

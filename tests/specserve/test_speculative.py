@@ -428,6 +428,16 @@ def test_adaptive_speculation_calibrates_once_per_machine(small_vocab_model, tmp
     assert again.block_manager.num_free_blocks == again.block_manager.num_blocks
 
 
+def test_a_model_shorter_than_a_steps_token_budget_calibrates_within_its_length(small_vocab_model, tmp_path,
+                                                                                 monkeypatch):
+    """Calibration forwards a context then up to a whole step's tokens: never past the model's
+    positions (256 here, a step's budget 1024), where its rotary tables end."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    engine = make_engine(small_vocab_model, draft="ngram", speculation="adaptive", max_num_batched_tokens=1024)
+    assert engine.max_model_len < 1024
+    assert max(engine.policy.forward_cost.sizes) <= engine.max_model_len
+
+
 def test_head_errors_say_what_to_change(small_vocab_model, small_vocab_heads, tiny_checkpoint, tmp_path):
     engine = make_engine(small_vocab_model, draft="ngram")
     with pytest.raises(ValueError, match="is not loaded .* start the engine with --draft"):  # its K/V need the pool
