@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -202,6 +203,8 @@ class HeadDrafter(TreeSearchDrafter, OwnsKV, Observes):
             return None
         for projection in self._projections():
             projection.requantize(HEAD_BITS)
+        if os.environ.get("SPECSERVE_DECODER_STACK") == "0":  # module by module, as the target then runs
+            return None
         return build_decoder_stack([self.layer], model.config)
 
     # -- hidden states -----------------------------------------------------------------------

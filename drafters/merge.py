@@ -171,13 +171,14 @@ class MergedDrafter(Drafter, Observes, Estimates):
         worth_asking = self._worth_asking(seq_id, self._token_seconds or 0.0, max_depth)
         profiles = []
         for drafter, asked, worth in zip(self.drafters, worth_asking, self.worth(seq_id), strict=True):
-            profile = drafter.acceptance_profile(seq_id, token_ids, max_depth) if asked and isinstance(
-                drafter, Estimates) else None
-            if asked and profile is None:
+            if not asked:
+                continue
+            profile = drafter.acceptance_profile(seq_id, token_ids, max_depth) if isinstance(drafter, Estimates) \
+                else None
+            if profile is None:  # runs of mean `worth` accepted tokens: alpha / (1 - alpha) = worth
                 alpha = max(0.0, worth) / (1 + max(0.0, worth))
                 profile = [alpha ** k for k in range(1, max_depth + 1)]
-            if asked:
-                profiles.append(profile)
+            profiles.append(profile)
         return [max(values) for values in zip(*profiles, strict=True)]
 
     def acceptance_bound(self) -> float | None:
