@@ -63,19 +63,21 @@ class MergedDrafter(Drafter, Observes, Estimates):
         """Each part's average tokens accepted beyond the other parts' for the sequence."""
         return list(self._margin.get(seq_id, self.overall_margin))
 
-    def asked(self, seq_id: int, token_seconds: float | None, tree_budget: int) -> list[bool]:
-        """Which parts a step of the sequence asks (see the module's docstring); at least one.
-        Without a going rate (a fixed policy), all of them. The parts worth asking are those the
-        policy planned the step by (`acceptance_profile`, at the rate it last saw)."""
-        if token_seconds is None:
-            return [True] * len(self.drafters)
-        return [worth or self._unasked[p] + 1 >= self._explore_every[p]
-                for p, worth in enumerate(self._worth_asking(seq_id, self._token_seconds or 0.0, tree_budget))]
+    def asked(self, request: DraftRequest) -> tuple[list[bool], list[int]]:
+        """Which parts a step of the sequence asks (see the module's docstring), at least one, and
+        which of them only to explore them. Without a going rate (a fixed policy), all of them. The
+        parts worth asking are those the policy planned the step by (`acceptance_profile`, at the
+        rate it last saw)."""
+        if request.token_seconds is None:
+            return [True] * len(self.drafters), []
+        worth = self._worth_asking(request.seq_id, self._token_seconds or 0.0, request.tree_budget)
+        asked = [w or self._unasked[p] + 1 >= self._explore_every[p] for p, w in enumerate(worth)]
+        return asked, [p for p, (a, w) in enumerate(zip(asked, worth, strict=True)) if a and not w]
 
     def _worth_asking(self, seq_id: int, token_seconds: float, tree_budget: int) -> list[bool]:
         """The parts whose margin for the sequence pays for their time; at least one."""
         costs, margin = self._costs(tree_budget), self.margin(seq_id)
-        worth = [cost <= margin[p] * token_seconds for p, cost in enumerate(costs)]
+        worth = _paying(costs, margin, token_seconds)
         if not any(worth):
             worth[max(range(len(costs)), key=lambda p: margin[p] * token_seconds - costs[p])] = True
         return worth
@@ -84,11 +86,7 @@ class MergedDrafter(Drafter, Observes, Estimates):
         return [d.step_cost(tree_budget) if isinstance(d, Estimates) else 0.0 for d in self.drafters]
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        asked = [self.asked(r.seq_id, r.token_seconds, r.tree_budget) for r in requests]
-        rate = self._token_seconds or 0.0
-        explored = [[p for p, (a, w) in enumerate(zip(request_asked, self._worth_asking(
-            r.seq_id, rate, r.tree_budget), strict=True)) if a and not w]
-            if r.token_seconds is not None else [] for r, request_asked in zip(requests, asked, strict=True)]
+        asked, explored = zip(*(self.asked(r) for r in requests), strict=True) if requests else ((), ())
         self._token_seconds = next((r.token_seconds for r in requests if r.token_seconds is not None),
                                    self._token_seconds)
         for p in range(len(self.drafters)):
@@ -190,14 +188,18 @@ class MergedDrafter(Drafter, Observes, Estimates):
     def _trusted(self, tree_budget: int = 1) -> list[bool]:
         """Parts a step asks without exploring them, over all sequences (no going rate seen yet:
         the free ones)."""
-        rate = self._token_seconds or 0.0
-        return [cost <= self.overall_margin[p] * rate for p, cost in enumerate(self._costs(tree_budget))]
+        return _paying(self._costs(tree_budget), self.overall_margin, self._token_seconds or 0.0)
 
     def step_cost(self, tree_budget: int) -> float:
         """The parts worth their time over all sequences, and a share of the others' (explored)."""
         costs = self._costs(tree_budget)
         return sum(cost if trusted else cost / self._explore_every[p]
                    for p, (cost, trusted) in enumerate(zip(costs, self._trusted(tree_budget), strict=True)))
+
+
+def _paying(costs: Sequence[float], margins: Sequence[float], token_seconds: float) -> list[bool]:
+    """Whether each part's margin (tokens a step) is worth its cost (seconds a step) at the rate."""
+    return [cost <= margin * token_seconds for cost, margin in zip(costs, margins, strict=True)]
 
 
 def budget_shares(budget: int, worth: Sequence[float]) -> list[int]:
