@@ -203,7 +203,7 @@ def main() -> None:
     shares = (f"Feature heads for {args.model} on growing shares of {data} ({args.epochs} epoch(s), training-time "
               f"test {settings.unroll} passes, bf16 autocast, {torch.get_num_threads()} threads), and the shipped "
               f"head" if runs else f"For {args.model}, on held-out answers of {data}: the shipped feature head")
-    caption = (f"{shares} (3000 GPTeacher answers, more epochs){also}. "
+    caption = (f"{shares} ({shipped_run['answers']} training answers, {shipped_run['epochs']} epochs){also}. "
                f"Agreement with "
                f"the target's next token by drafting depth "
                f"(1/2/3), teacher-forced, on held-out training answers (val) and on the target's answers to "
