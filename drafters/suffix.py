@@ -7,8 +7,9 @@ outputs; the continuations of each one's latest occurrences, as a distribution p
 in proportion to the two match lengths (a request's own prompt knows its values, other requests'
 outputs know the shape of an answer) and merged into a trie whose nodes weigh the continuations
 through them. The drafted tree is the weightiest nodes (each at least `MIN_PROBABILITY` of the
-whole), each continuation no deeper than its match is long, so a long match drafts deep and a
-one-token match one token. No weights to load, and nothing the target computes: token ids alone.
+whole), each continuation at most `DEPTH_PER_MATCHED` times its match's length plus
+`DEPTH_BEYOND_MATCH` tokens deep, so a long match drafts deep and a one-token match a few tokens.
+No weights to load, and nothing the target computes: token ids alone.
 
 The corpora are int32 arrays searched with numpy: every occurrence of the last token (the
 cache keeps its places sorted by token), narrowed a token further back while they are many, the
@@ -39,6 +40,12 @@ MAX_OCCURRENCES = 32  # latest occurrences of the match whose continuations make
 INDEX_TAIL = 4096  # cached tokens past the sorted index scanned at a lookup at least before it is redone
 WIDE_MATCH = 64  # occurrences above which a match is narrowed a token at a time before the rest at once
 MIN_PROBABILITY = 0.1  # a drafted node's share of the occurrences at least
+# How deep a match's continuations go: 2 x its length + 2 tokens, where as deep as the match is
+# long stopped most trees of the repetitive workload at 3-6 nodes though 4 in 5 were accepted
+# whole; how often the deeper tokens come true is learned per kind of match (GuessScores), and
+# the policy drafts them only where that pays (docs/design.md, "Suffix decoding").
+DEPTH_PER_MATCHED = 2
+DEPTH_BEYOND_MATCH = 2
 # Kinds of match for scoring guesses: match length (1, 2, 3-4, 5-8, 9-16, 17+) x agreement
 # (one occurrence; several, all followed alike; several that differ).
 LENGTH_BOUNDS = (1, 2, 4, 8, 16)
@@ -375,7 +382,7 @@ class SuffixDrafter(Drafter, Observes, Estimates):
         rows: list[list[int]] = []
         weights: list[float] = []
         for match in matches:
-            continuations = match.continuations(match.length)
+            continuations = match.continuations(DEPTH_PER_MATCHED * match.length + DEPTH_BEYOND_MATCH)
             share = match.length / sum(m.length for m in matches) / len(continuations)
             rows += continuations
             weights += [share] * len(continuations)

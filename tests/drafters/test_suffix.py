@@ -1,5 +1,5 @@
 """Suffix decoding drafts what followed the sequence's end before, in its own tokens and in recent
-outputs, as a tree ranked by how often each continuation came, no deeper than the match is long."""
+outputs, as a tree ranked by how often each continuation came, the deeper the longer the match."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ import pytest
 from drafters import build_drafter, parse_spec, suffix
 from drafters.base import Commit, DraftRequest, Ended
 from drafters.spec import SUFFIX_CACHE_TOKENS, DrafterSpec
-from drafters.suffix import MIN_PROBABILITY, SEPARATOR, OutputCache, SuffixDrafter, longest_match
+from drafters.suffix import (
+    DEPTH_BEYOND_MATCH,
+    DEPTH_PER_MATCHED,
+    MIN_PROBABILITY,
+    SEPARATOR,
+    OutputCache,
+    SuffixDrafter,
+    longest_match,
+)
 
 
 def propose(drafter, tokens, tree_budget=8, max_depth=8, seq_id=0):
@@ -56,12 +64,16 @@ def test_the_longest_match_is_the_longest_suffix_followed_by_a_token_with_all_it
         assert found(longest_match(corpus, query, max_match)) == expected
 
 
-def test_a_match_drafts_what_followed_it_no_deeper_than_the_match_is_long():
-    tokens = [7, 1, 2, 3, 4, 5, 9, 6, 2, 3]  # "2 3" was followed by "4 5 9 ..."
-    assert propose(SuffixDrafter(0), tokens).tokens == (3, 4, 5)
-    tokens = [1, 2, 3, 4, 5, 9, 6, 8, 1, 2, 3, 4]  # "1 2 3 4" matched: four tokens deep
-    assert propose(SuffixDrafter(0), tokens).tokens == (4, 5, 9, 6, 8)
-    assert propose(SuffixDrafter(0), tokens, tree_budget=2).tokens == (4, 5, 9)
+def test_a_match_drafts_what_followed_it_deeper_the_longer_the_match():
+    run = list(range(10, 40))  # followed by 30 tokens: only the match's length bounds the depth
+    for matched in (1, 2, 3):
+        depth = DEPTH_PER_MATCHED * matched + DEPTH_BEYOND_MATCH
+        tokens = [*run, 99, *run[:matched]]
+        tree = propose(SuffixDrafter(0), tokens, tree_budget=30, max_depth=30)
+        assert tree.tokens == (run[matched - 1], *run[matched : matched + depth])
+    assert propose(SuffixDrafter(0), [*run, 99, 10, 11], tree_budget=2).tokens == (11, 12, 13)
+    tokens = [7, 1, 2, 3, 4, 5, 9, 6, 2, 3]  # "2 3" was followed by "4 5 9 6", then the sequence ends
+    assert propose(SuffixDrafter(0), tokens).tokens == (3, 4, 5, 9, 6, 2, 3)
 
 
 def test_continuations_that_came_more_often_rank_first_and_rare_ones_are_not_drafted():
@@ -104,7 +116,7 @@ def test_an_ended_output_is_drafted_from_by_later_sequences_unless_kept_out():
     drafter = SuffixDrafter()
     output = [40, 41, 42, 43, 44, 45, 46, 47]
     drafter.ended(Ended(seq_id=1, prompt_ids=[9, 9], output_ids=output))
-    assert propose(drafter, [5, 6, 41, 42, 43], seq_id=2).tokens == (43, 44, 45, 46)  # a 3-token match
+    assert propose(drafter, [5, 6, 41, 42, 43], seq_id=2).tokens == (43, 44, 45, 46, 47)  # to the output's end
     kept_out = SuffixDrafter()
     kept_out.ended(Ended(seq_id=1, prompt_ids=[9, 9], output_ids=output, shared=False))
     assert propose(kept_out, [5, 6, 41, 42, 43], seq_id=2).tokens == (43,)
@@ -123,7 +135,7 @@ def test_the_sequence_and_the_cache_are_drafted_from_together_the_longer_match_f
     drafter = SuffixDrafter()
     drafter.ended(Ended(1, [], [1, 2, 3, 50, 51, 52]))
     tokens = [2, 3, 60, 61, 1, 2, 3]  # the cache matches 3 tokens, the sequence 2
-    assert paths(propose(drafter, tokens, seq_id=2)) == {(50, 51, 52), (60, 61)}
+    assert paths(propose(drafter, tokens, seq_id=2)) == {(50, 51, 52), (60, 61, 1, 2, 3)}
     assert propose(drafter, tokens, tree_budget=3, seq_id=2).tokens == (3, 50, 51, 52)  # 3/5 of the weight
     phrase = [*range(20, 30), 3]  # the sequence matches 11 tokens, the cache 1 ("3"): 1/12 of the weight
     assert propose(drafter, [*phrase, 40, 41, 42, *phrase], seq_id=3).tokens == (3, 40, 41, 42, *phrase[:5])
