@@ -41,9 +41,9 @@ INDEX_TAIL = 4096  # cached tokens past the sorted index scanned at a lookup at 
 WIDE_MATCH = 64  # occurrences above which a match is narrowed a token at a time before the rest at once
 MIN_PROBABILITY = 0.1  # a drafted node's share of the occurrences at least
 # How deep a match's continuations go: 2 x its length + 2 tokens, where as deep as the match is
-# long stopped most trees of the repetitive workload at 3-6 nodes though 4 in 5 were accepted
-# whole; how often the deeper tokens come true is learned per kind of match (GuessScores), and
-# the policy drafts them only where that pays (docs/design.md, "Suffix decoding").
+# long stopped most trees of the repetitive workload at 3-6 nodes though about half were
+# accepted whole; how often the deeper tokens come true is learned per kind of match
+# (GuessScores), and the policy drafts them only where that pays (docs/design.md, "Suffix decoding").
 DEPTH_PER_MATCHED = 2
 DEPTH_BEYOND_MATCH = 2
 # Kinds of match for scoring guesses: match length (1, 2, 3-4, 5-8, 9-16, 17+) x agreement
