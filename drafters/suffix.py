@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
+import torch
 
 from drafters.base import Commit, Draft, Drafter, DraftRequest, Ended, Estimates, Observes
 from drafters.ngram import GUESS_DEPTH, Guess, Guesses, GuessScores
@@ -101,10 +103,27 @@ class Match:
 
 
 def longest_match(corpus: np.ndarray, query: Sequence[int], max_match: int = MAX_MATCH,
-                  occurrences: np.ndarray | None = None) -> Match | None:
+                  index: TokenIndex | None = None) -> Match | None:
     """The longest suffix of `query` (up to `max_match` tokens) that occurs in `corpus` followed by
-    a token, with every occurrence of it (None: not even the last token occurs). `occurrences`:
-    where the last token is in `corpus`, ascending, if known (else the corpus is scanned for it)."""
+    a token, with every occurrence of it (None: not even the last token occurs). `index`: the
+    corpus's places sorted by token, if kept (else the corpus is scanned for the last token).
+    One call of our C++ search where the kernels are built, else numpy (`numpy_longest_match`)."""
+    if not len(query) or len(corpus) < 2:
+        return None
+    search = _native_search()
+    if search is None:
+        occurrences = None if index is None else index.occurrences(corpus, query[-1])
+        return numpy_longest_match(corpus, query, max_match, occurrences)
+    index = index or NO_INDEX
+    length, after = search(torch.from_numpy(corpus), torch.from_numpy(np.asarray(query[-max_match:], dtype=np.int32)),
+                           max_match, index.places_tensor, index.by_token_tensor, index.indexed)
+    return Match(length, after.numpy(), corpus) if length else None
+
+
+def numpy_longest_match(corpus: np.ndarray, query: Sequence[int], max_match: int = MAX_MATCH,
+                        occurrences: np.ndarray | None = None) -> Match | None:
+    """`longest_match` in numpy (where the kernels cannot be built). `occurrences`: where the last
+    token is in `corpus`, ascending, if known (else the corpus is scanned for it)."""
     if not len(query) or len(corpus) < 2:
         return None
     if occurrences is None:
@@ -135,6 +154,45 @@ def longest_match(corpus: np.ndarray, query: Sequence[int], max_match: int = MAX
     return Match(length + longest, after[extra == longest], corpus)
 
 
+class TokenIndex:
+    """A corpus's places sorted by token (stably: each token's ascending) up to `indexed`: a full
+    cache is 2^18 tokens, and scanning it all for the last token took most of a lookup. Places
+    after `indexed` are scanned."""
+
+    def __init__(self, places: np.ndarray, by_token: np.ndarray, indexed: int):
+        self.places, self.by_token, self.indexed = places, by_token, indexed
+        self.places_tensor, self.by_token_tensor = torch.from_numpy(places), torch.from_numpy(by_token)  # shared memory
+
+    @classmethod
+    def of(cls, corpus: np.ndarray) -> TokenIndex:
+        places = np.argsort(corpus, kind="stable").astype(np.int32)
+        return cls(places, corpus[places], len(corpus))
+
+    @property
+    def nbytes(self) -> int:
+        return self.places.nbytes + self.by_token.nbytes
+
+    def occurrences(self, corpus: np.ndarray, token: int) -> np.ndarray:
+        """Where `token` was put in `corpus`, ascending (places since forgotten too)."""
+        first, end = np.searchsorted(self.by_token, token, "left"), np.searchsorted(self.by_token, token, "right")
+        tail = np.flatnonzero(corpus[self.indexed :] == token) + self.indexed
+        return np.concatenate([self.places[first:end], tail])
+
+
+NO_INDEX = TokenIndex(np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32), 0)
+
+
+@cache
+def _native_search() -> Callable | None:
+    """Our C++ search (`kernels/cpu/suffix_match.cpp`), where the kernels build here."""
+    from kernels import native
+
+    try:
+        return native.op("suffix_match")
+    except native.KernelBuildError:
+        return None
+
+
 class OutputCache:
     """Recent requests' outputs, searchable as one corpus, at most `max_tokens` tokens of them:
     the least recently used output (drafted from, or added) is forgotten first."""
@@ -148,12 +206,7 @@ class OutputCache:
         self._outputs: OrderedDict[int, tuple[int, int]] = OrderedDict()  # key -> (start, length), LRU first
         self._starts: list[int] = []  # every output's start in the array, ascending (forgotten ones too)
         self._keys: list[int] = []  # and its key
-        # The array's places sorted by token (stably: each token's ascending) up to `_indexed`,
-        # re-sorted once the places after it grow past a quarter of those: a full cache is 2^18
-        # tokens, and scanning it all for the last token took most of a lookup.
-        self._by_token = np.empty(0, dtype=np.int32)
-        self._places = np.empty(0, dtype=np.int32)
-        self._indexed = 0
+        self._index = NO_INDEX
         self.version = 0  # changes whenever what it holds does
 
     def __len__(self) -> int:
@@ -169,7 +222,7 @@ class OutputCache:
     @property
     def nbytes(self) -> int:
         """Its memory: the token array (its capacity) and the index of it."""
-        return self._array.capacity_bytes + self._by_token.nbytes + self._places.nbytes
+        return self._array.capacity_bytes + self._index.nbytes
 
     def add(self, key: int, tokens: Sequence[int]) -> None:
         """Keep `tokens` as output `key` (replacing what it held) as the most recently used."""
@@ -196,17 +249,10 @@ class OutputCache:
         """`longest_match` of `query` in what the cache holds."""
         if not len(query):
             return None
-        return longest_match(self.corpus, query, occurrences=self._occurrences(query[-1]))
-
-    def _occurrences(self, token: int) -> np.ndarray:
-        """Where `token` was put in the array, ascending (places since forgotten too)."""
         corpus = self.corpus
-        if len(corpus) - self._indexed > max(INDEX_TAIL, self._indexed // 4):
-            self._places = np.argsort(corpus, kind="stable").astype(np.int32)
-            self._by_token, self._indexed = corpus[self._places], len(corpus)
-        first, end = np.searchsorted(self._by_token, token, "left"), np.searchsorted(self._by_token, token, "right")
-        tail = np.flatnonzero(corpus[self._indexed :] == token) + self._indexed
-        return np.concatenate([self._places[first:end], tail])
+        if len(corpus) - self._index.indexed > max(INDEX_TAIL, self._index.indexed // 4):
+            self._index = TokenIndex.of(corpus)
+        return longest_match(corpus, query, index=self._index)
 
     def used(self, positions: np.ndarray) -> None:
         """The outputs holding these corpus positions were drafted from: the most recently used now."""
@@ -228,7 +274,7 @@ class OutputCache:
                 sorted(self._outputs.items(), key=lambda item: item[1][0])]
         order = list(self._outputs)
         self._array, self._starts, self._keys, self._outputs, self.tokens = TokenArray(), [], [], OrderedDict(), 0
-        self._by_token, self._places, self._indexed = self._by_token[:0], self._places[:0], 0  # none indexed
+        self._index = NO_INDEX
         for key, tokens in kept:
             self._append(key, tokens)
         for key in order:  # the same recency as before
@@ -297,6 +343,7 @@ class Lookup:
 
     at: int  # the sequence's length
     version: int  # the cache's then
+    depth: int  # the continuations' depth at most (besides the match's own bound)
     length: int  # the longer match's
     cached: Match | None  # the cache's match, if it joined the trie
     trie: Trie | None
@@ -366,14 +413,17 @@ class SuffixDrafter(Drafter, Observes, Estimates):
             sequence.made(len(tokens), self._guess(self._lookup(sequence, tokens)))
         return sequence
 
-    def _lookup(self, sequence: _Sequence, tokens: Sequence[int]) -> Lookup:
+    def _lookup(self, sequence: _Sequence, tokens: Sequence[int], depth: int = GUESS_DEPTH) -> Lookup:
         """The longest matches of the sequence's end in its own tokens and in the cache, and what
-        followed them: each source's continuations as one distribution, the two mixed in
-        proportion to their match lengths (a longer match is the likelier to go on alike; a
-        source that matched a tenth as long as the other adds nothing the floor keeps). Looked
-        up once per length of the sequence and state of the cache."""
+        followed them, `depth` tokens at most (what a guess or a draft reads of them: a long
+        match's continuations would run up to 66 tokens deep, most of a lookup's trie): each
+        source's continuations as one distribution, the two mixed in proportion to their match
+        lengths (a longer match is the likelier to go on alike; a source that matched a tenth as
+        long as the other adds nothing the floor keeps). Looked up once per length of the
+        sequence and state of the cache (again for a deeper draft)."""
         found = sequence.lookup
-        if found is not None and (found.at, found.version) == (len(tokens), self.cache.version):
+        if found is not None and (found.at, found.version) == (len(tokens), self.cache.version) \
+                and found.depth >= depth:
             return found
         query = tokens[-MAX_MATCH - 1 :]
         own = longest_match(sequence.array.tokens, query)
@@ -382,13 +432,13 @@ class SuffixDrafter(Drafter, Observes, Estimates):
         rows: list[list[int]] = []
         weights: list[float] = []
         for match in matches:
-            continuations = match.continuations(DEPTH_PER_MATCHED * match.length + DEPTH_BEYOND_MATCH)
+            continuations = match.continuations(min(depth, DEPTH_PER_MATCHED * match.length + DEPTH_BEYOND_MATCH))
             share = match.length / sum(m.length for m in matches) / len(continuations)
             rows += continuations
             weights += [share] * len(continuations)
         trie = Trie(tokens[-1], rows, weights) if rows else None
         length = max((m.length for m in matches), default=0)
-        sequence.lookup = Lookup(len(tokens), self.cache.version, length, cached, trie)
+        sequence.lookup = Lookup(len(tokens), self.cache.version, depth, length, cached, trie)
         return sequence.lookup
 
     def _guess(self, lookup: Lookup) -> Guess | None:
@@ -405,7 +455,7 @@ class SuffixDrafter(Drafter, Observes, Estimates):
 
     def _propose(self, request: DraftRequest) -> Draft:
         tokens = request.token_ids
-        lookup = self._lookup(self._catch_up(request.seq_id, tokens), tokens)
+        lookup = self._lookup(self._catch_up(request.seq_id, tokens), tokens, max(GUESS_DEPTH, request.max_depth))
         if lookup.trie is None or request.tree_budget <= 0 or request.max_depth <= 0:
             return Draft(TokenTree.single(tokens[-1]))
         if lookup.cached is not None:

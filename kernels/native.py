@@ -42,7 +42,7 @@ import torch
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("block_matmul.cpp", "kquant_matmul.cpp", "tree_attention.cpp", "rms_norm.cpp", "rope_kv.cpp",
-                        "sampling_rows.cpp", "activation.cpp", "decoder_stack.cpp")]
+                        "sampling_rows.cpp", "activation.cpp", "decoder_stack.cpp", "suffix_match.cpp")]
 HEADERS = [SOURCES[0].parent / name for name in ("fixed_order.h", "int8_rows.h", "kv_int8.h", "scratch.h", "silu.h")]
 log = logging.getLogger(__name__)
 

@@ -115,6 +115,7 @@ class StepCost:
         self._fitted: StepFit | None = None
         self._since_fit = 0.0  # seconds of the steps added since
         self._node_bounds: dict[int, float] = {}  # node_seconds by base_tokens, for the current fit
+        self._added: dict[int, list[float]] = {}  # added_seconds by base_tokens, for the current fit
 
     def add(self, base_tokens: int, nodes: int, seconds: float, chunked: bool = False, keys: int = 0) -> None:
         """A measured step: `base_tokens` of decodes and prompt chunks (`chunked`: some of them
@@ -147,12 +148,24 @@ class StepCost:
                 keys: int = 0) -> np.ndarray | float:
         """Predicted time of a step with `base_tokens` (`chunked`: some of them prompt tokens),
         `keys` (see `add`) and `nodes` drafted nodes."""
+        plain = self.fit().plain(self.curve(base_tokens), chunked, keys)
+        if isinstance(nodes, np.ndarray):
+            return plain + np.asarray(self.added_seconds(base_tokens, int(nodes.max(initial=0))))[nodes]
+        return plain + self.added_seconds(base_tokens, nodes)[nodes]
+
+    def added_seconds(self, base_tokens: int, nodes: int) -> list[float]:
+        """What 0, 1, ..., at least `nodes` drafted nodes add to a step with `base_tokens`: the tree
+        overhead, their rows on the curve (scaled) and their price beyond. A list, kept per fit:
+        the policy prices every plan size of a step from it, at one sequence in plain Python
+        (numpy's per-call cost, with the caches cold from the forward, was most of a batch-1 plan)."""
         fit = self.fit()
-        rows = self.curve(base_tokens)
-        plain = fit.plain(rows, chunked, keys)
-        node_rows = (self.curve.many(base_tokens + np.asarray(nodes)) if isinstance(nodes, np.ndarray)
-                     else self.curve(base_tokens + nodes)) - rows
-        return plain + fit.tree_overhead * (nodes > 0) + fit.scale * node_rows + fit.per_node * nodes
+        added = self._added.get(base_tokens)
+        if added is None or len(added) <= nodes:
+            counts = np.arange(max(nodes, DENSE_UNTIL) + 1)
+            rows = self.curve.many(base_tokens + counts) - self.curve.many(np.asarray([base_tokens]))[0]
+            added = (fit.tree_overhead * (counts > 0) + fit.scale * rows + fit.per_node * counts).tolist()
+            self._added[base_tokens] = added
+        return added
 
     def node_seconds(self, base_tokens: int) -> float:
         """The least a drafted node costs in a step with `base_tokens` (beyond the tree overhead):
@@ -171,6 +184,7 @@ class StepCost:
         if self._fitted is None:
             self._fitted = self._fit()
             self._node_bounds.clear()
+            self._added.clear()
             self._since_fit = 0.0
         return self._fitted
 

@@ -68,6 +68,28 @@ class StepShape:
         return self.tokens > self.decodes
 
 
+@dataclass(frozen=True)
+class PlanPrices:
+    """What a plan's nodes are weighed against: a step's seconds without trees (its prompt chunks'
+    share left out), what k drafted nodes add (`added[k]`, `StepCost.added_seconds`) plus the
+    look that found them (see `_best_plan`), the plain steps' rate (tokens per second) and the
+    least a node costs (`StepCost.node_seconds`)."""
+
+    plain_seconds: float
+    added: list[float]
+    plain_rate: float
+    node_seconds: float
+    look_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        """A step's seconds before its nodes: plain, and the look that found them. A plan also pays
+        for its look (the last look's at this batch size): a plan found keeps the policy looking
+        every step, which a busy server's 32 n-gram searches make 1% of its step, while plain
+        steps need no look at all."""
+        return self.plain_seconds + self.look_seconds
+
+
 @dataclass
 class TreePlan:
     """The policy's answer for a step: drafted nodes per speculating sequence, and the seconds an
@@ -257,59 +279,81 @@ class AdaptivePolicy(SpeculationPolicy):
             self.throttle.declined(bucket, self._clock() - deciding_since, plain_seconds)
             return plain
         start = self._clock()
-        found, guessed = self._best_plan(seqs, caps, room, num_seqs,
-                                         lambda nodes: step_seconds(nodes) - prompt_seconds, node_seconds,
-                                         plain_rate, self.throttle.last_look(bucket))
+        # A step's seconds by its drafted nodes, its prompt chunks' share left out.
+        plan = PlanPrices(plain_seconds - prompt_seconds, step_cost.added_seconds(base_tokens, room), plain_rate,
+                          node_seconds, self.throttle.last_look(bucket))
+        planner = self._best_depth if len(seqs) == 1 else self._best_plan
+        found, guessed = planner(seqs, caps, room, num_seqs, plan)
         self.throttle.looked(bucket, self._clock() - start, found is not None, plain_seconds, guessed, lone)
         if found is None:
             return plain
-        rows, rate = found
-        for row, count in enumerate(np.bincount(rows, minlength=len(seqs))):
-            tree_budgets[seqs[row]] = int(count)
+        budgets, rate = found
+        for seq, budget in zip(seqs, budgets, strict=True):
+            tree_budgets[seq] = budget
         return TreePlan(tree_budgets, 1.0 / rate)
 
     def _best_plan(self, seqs: list[Sequence], caps: Mapping[Sequence, int], room: int, num_seqs: int,
-                   step_seconds: Callable[[np.ndarray], np.ndarray], node_seconds: float,
-                   plain_rate: float, look_seconds: float) -> tuple[tuple[np.ndarray, float] | None, bool]:
-        """The sequence row of every node of the best plan, and its rate (None: plain steps are
-        as good: no node is worth its price, or the best plan gains less than MIN_RATE_GAIN);
-        and whether any sequence was judged by its drafter's guess for this step (`_gains`).
-        A plan also pays for the look that found it (`look_seconds`, the last look's at this
-        batch size): a plan found keeps the policy looking every step, which a busy server's
-        32 n-gram searches make 1% of its step, while plain steps need no look at all."""
+                   plan: PlanPrices) -> tuple[tuple[list[int], float] | None, bool]:
+        """The best plan's budget per sequence and its rate (None: plain steps are as good: no
+        node is worth its price, or the best plan gains less than MIN_RATE_GAIN); and whether
+        any sequence was judged by its drafter's guess for this step (`_gains`)."""
         gains, guessed = self._gains(seqs, [caps[seq] for seq in seqs])
-        if gains[:, 0].max() / plain_rate <= node_seconds:
+        if max(row[0] for row in gains) / plan.plain_rate <= plan.node_seconds:
             return None, guessed
-        rows, depths, gains = _nodes_by_gain(gains, [seq.seq_id for seq in seqs], room)
+        rows, depths, gains = _nodes_by_gain(np.asarray(gains), [seq.seq_id for seq in seqs], room)
         if not len(rows):
             return None, guessed
         # Rate of every prefix of that order at once (vectorised: this runs every step, for
         # up to max_num_seqs x cap nodes).
         tokens = num_seqs + np.cumsum(gains)
-        seconds = step_seconds(np.arange(1, len(rows) + 1)) + self._draft_seconds(seqs, rows, depths) + look_seconds
+        seconds = plan.seconds + np.asarray(plan.added[1 : len(rows) + 1]) + self._draft_seconds(seqs, rows, depths)
         rates = tokens / seconds
         best = int(np.argmax(rates))
-        if rates[best] <= plain_rate * (1 + MIN_RATE_GAIN):
+        if rates[best] <= plan.plain_rate * (1 + MIN_RATE_GAIN):
             return None, guessed
-        return (rows[: best + 1], float(rates[best])), guessed
+        return (np.bincount(rows[: best + 1], minlength=len(seqs)).tolist(), float(rates[best])), guessed
 
-    def _gains(self, seqs: list[Sequence], caps: list[int]) -> tuple[np.ndarray, bool]:
-        """P_r(k) for every sequence r and k = 1..its cap (0 beyond): the drafter's estimate of
-        this step's proposal, or the sequence's credited acceptance to the k-th power; and
-        whether any came from an estimate (a guess for this step, which the next may not share)."""
-        depth = np.arange(1, max(caps) + 1)
-        gains = np.zeros((len(seqs), len(depth)))
+    def _best_depth(self, seqs: list[Sequence], caps: Mapping[Sequence, int], room: int, num_seqs: int,
+                    plan: PlanPrices) -> tuple[tuple[list[int], float] | None, bool]:
+        """`_best_plan` for one speculating sequence (every step at batch 1), in plain Python: its
+        gains fall with depth, so its nodes are its first k and the plan the best k. The arrays'
+        version cost a batch-1 step ~0.25 ms (2-3%), numpy's per-call overhead with the caches
+        cold from the forward."""
+        (seq,) = seqs
+        (gains,), guessed = self._gains(seqs, [caps[seq]])
+        if gains[0] / plan.plain_rate <= plan.node_seconds:
+            return None, guessed
+        draft_seconds = seq.drafter.step_cost if isinstance(seq.drafter, Estimates) else None
+        best, best_rate, tokens = 0, plan.plain_rate * (1 + MIN_RATE_GAIN), float(num_seqs)
+        for k, gain in enumerate(gains[:room], start=1):
+            if gain < MIN_GAIN:
+                break
+            tokens += gain
+            rate = tokens / (plan.seconds + plan.added[k] + (draft_seconds(k) if draft_seconds else 0.0))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return ((best,), best_rate) if best else None, guessed
+
+    def _gains(self, seqs: list[Sequence], caps: list[int]) -> tuple[list[list[float]], bool]:
+        """P_r(k) for every sequence r and k = 1..max(caps) (0 beyond its cap): the drafter's
+        estimate of this step's proposal, or the sequence's credited acceptance to the k-th
+        power; and whether any came from an estimate (a guess for this step, which the next may
+        not share)."""
+        width = max(caps)
+        gains = []
         credited: set[Drafter] = set()
         guessed = False
-        for row, (seq, cap) in enumerate(zip(seqs, caps, strict=True)):
+        for seq, cap in zip(seqs, caps, strict=True):
             estimates = isinstance(seq.drafter, Estimates)
             profile = seq.drafter.acceptance_profile(seq.seq_id, seq.token_ids, cap) if estimates else None
             if profile is None:
                 credited.add(seq.drafter)
-                gains[row, :cap] = self._credited_alpha(seq) ** depth[:cap]
+                alpha = self._credited_alpha(seq)
+                profile = [alpha**k for k in range(1, cap + 1)]
             else:
-                gains[row, :cap] = profile
                 guessed = True
+            row = list(profile[:cap])
+            gains.append(row + [0.0] * (width - len(row)))
         for drafter in credited:
             self._record(drafter).looks += 1
         return gains, guessed

@@ -606,3 +606,46 @@ def test_a_token_is_worth_the_decode_time_it_saves_not_a_share_of_a_prefill():
     prefilling = policy.plan(dict.fromkeys(seqs, 1), StepShape(32, 232), 1024)
     assert sum(prefilling.tree_budgets.values()) == 0
     assert prefilling.token_seconds == pytest.approx(0.050 / 32)
+
+
+class ProfileDrafter(MeasuredDrafter):
+    """Says its proposal's worth is `profile` and drafting k nodes costs `per_node` * k seconds."""
+
+    def __init__(self, profile: list[float], per_node: float):
+        super().__init__()
+        self.profile, self.per_node = profile, per_node
+
+    def acceptance_profile(self, seq_id, token_ids, max_depth):
+        return self.profile[:max_depth]
+
+    def step_cost(self, tree_budget: int) -> float:
+        return self.per_node * tree_budget
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_lone_sequence_is_planned_as_the_plan_for_many_would_plan_it(seed: int):
+    """Batch 1 takes a plain-Python path (numpy's per-call cost was most of its plan): the same
+    budget and rate as the arrays' plan on random curves, guesses and drafting costs."""
+    from specserve.speculation import PlanPrices
+
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        curve = ForwardCost([1, 8, 64, 512], np.cumsum(rng.uniform(0.001, 0.02, 4)).tolist())
+        cap = int(rng.integers(1, 17))
+        profile = np.cumprod(rng.uniform(0.3, 1.0, cap)).tolist()
+        seq = decoding(0)
+        seq.drafter = ProfileDrafter(profile, float(rng.choice([0.0, 0.0005])))
+        if rng.random() < 0.3:  # judged by measured acceptance instead
+            seq.drafter = MeasuredDrafter()
+            seq.spec_stats.accepted_tokens = int(rng.integers(0, 50))
+        policy = adaptive_policy(curve)
+        step = policy._step_cost(1)
+        room = int(rng.integers(1, 20))
+        prices = PlanPrices(step.seconds(1, 0), step.added_seconds(1, room), 1 / step.seconds(1, 0),
+                            step.node_seconds(1), float(rng.choice([0.0, 0.001])))
+        lone, _ = policy._best_depth([seq], {seq: cap}, room, 1, prices)
+        general, _ = policy._best_plan([seq], {seq: cap}, room, 1, prices)
+        if general is None:
+            assert lone is None
+        else:
+            assert list(lone[0]) == general[0] and lone[1] == pytest.approx(general[1], rel=1e-12)
