@@ -37,6 +37,9 @@ class TreeLike(Protocol):
     def ancestor_mask(self) -> torch.Tensor: ...
 
     @property
+    def batch_mask(self) -> torch.Tensor: ...
+
+    @property
     def is_chain(self) -> bool: ...
 
     def __len__(self) -> int: ...
@@ -159,14 +162,16 @@ def host_tensors(
     sizes = [requests + 1, requests, requests, len(slots), len(positions)]
     flat = torch.tensor([0, *itertools.accumulate(all_lens), *context_lens, *[0] * missing, *all_lens, *slots,
                          *positions], dtype=torch.int64)
-    starts, contexts, tree_lens, slot_mapping, position_ids = flat.split(sizes)
-    if max_n == 1 and not missing:  # single tokens (decodes): each sees itself
+    starts, contexts, tree_lens, slot_mapping, position_ids = flat.split_with_sizes(sizes)  # `split`: a layer more
+    if len(trees) == 1 and lens[0] == max_n and not missing:  # batch 1, every step: the tree's own (no op)
+        masks = trees[0].batch_mask
+    elif max_n == 1 and not missing:  # single tokens (decodes): each sees itself
         masks = torch.ones(requests, 1, 1, dtype=torch.bool)
     else:
         masks = chain_masks(tree_lens, max_n)
-    for b, tree in enumerate(trees):
-        if not tree.is_chain:
-            masks[b, : len(tree), : len(tree)] = tree.ancestor_mask
+        for b, tree in enumerate(trees):
+            if not tree.is_chain:
+                masks[b, : len(tree), : len(tree)] = tree.ancestor_mask
     host = [starts, contexts, tree_lens, tables, slot_mapping, position_ids, masks]
     if bitmask and max_n <= 64:
         bits = (masks.long() * (torch.ones(max_n, dtype=torch.int64) << torch.arange(max_n))).sum(-1)
