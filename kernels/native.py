@@ -20,6 +20,9 @@
 * `row_argmax`, `filter_stats`, `sample_rows`: sampling's passes over rows of logits, argmax,
   filtered distributions without a sort, inverse-CDF draws (`kernels/cpu/sampling_rows.cpp`;
   `specserve.sampling` calls them).
+* `suffix_match`: the suffix drafter's search, the longest suffix of a query that occurs in a
+  corpus of token ids and every place after it (`kernels/cpu/suffix_match.cpp`; `drafters.suffix`
+  calls it).
 
 All compute each row as if it were alone in the step. They are compiled once per CPU
 (`-march=native`: AVX-512 VNNI, AVX2 or portable C++) and cached under the specserve cache

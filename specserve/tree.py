@@ -14,6 +14,8 @@ from functools import cache, cached_property
 
 import torch
 
+KEPT_CHAIN_MASKS = 128  # chains up to this long share one kept mask per length (drafts, decodes)
+
 
 @dataclass(frozen=True, eq=False)
 class TokenTree:
@@ -93,7 +95,7 @@ class TokenTree:
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:
         """`mask[i, j]` is True when j is i itself or one of its ancestors ([n, n] bool; read only:
-        a chain's is shared by every chain of its length). Built in Python and made a tensor once:
+        a short chain's is shared by every chain of its length). Built in Python, one tensor op:
         a tensor op per node cost a tree of 9 nodes ~0.2 ms right after a CPU forward."""
         return self.batch_mask[0]
 
@@ -102,8 +104,8 @@ class TokenTree:
         """`ancestor_mask` as a batch of one, [1, n, n] (read only: a chain's is kept for its
         length): a step of this tree alone takes it as its masks without an op of its own."""
         n = len(self)
-        if self.is_chain:
-            return _causal_mask(n)
+        if self.is_chain:  # a prompt chunk's is made afresh: kept for every length, they would add up to GBs
+            return _causal_mask(n) if n <= KEPT_CHAIN_MASKS else torch.ones(1, n, n, dtype=torch.bool).tril_()
         rows: list[list[bool]] = []
         for i, p in enumerate(self.parents):
             row = list(rows[p]) if p >= 0 else [False] * n

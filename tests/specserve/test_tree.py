@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specserve.tree import TokenTree
+from specserve.tree import KEPT_CHAIN_MASKS, TokenTree
 
 
 @st.composite
@@ -24,6 +24,19 @@ def test_ancestor_mask_is_exactly_self_and_ancestors(tree: TokenTree):
     assert mask.shape == (len(tree), len(tree)) and mask.dtype == torch.bool
     for i in range(len(tree)):
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == set(tree.path_to(i))
+
+
+@given(trees())
+def test_the_batch_mask_is_the_ancestor_mask_as_a_batch_of_one(tree: TokenTree):
+    assert tree.batch_mask.shape == (1, len(tree), len(tree)) and torch.equal(tree.batch_mask[0], tree.ancestor_mask)
+
+
+@pytest.mark.parametrize("n", [1, 9, KEPT_CHAIN_MASKS, KEPT_CHAIN_MASKS + 1])
+def test_chains_of_a_length_share_one_mask_unless_long(n: int):
+    """A draft's or decode's chain mask is kept per length (no tensor op a step); a prompt chunk's is not."""
+    first, second = TokenTree.chain(range(n)), TokenTree.chain(range(1, n + 1))
+    assert torch.equal(first.batch_mask[0], torch.ones(n, n, dtype=torch.bool).tril())
+    assert (first.batch_mask is second.batch_mask) == (n <= KEPT_CHAIN_MASKS)
 
 
 @given(trees(), st.integers(0, 500))
