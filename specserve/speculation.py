@@ -399,9 +399,6 @@ def _nodes_by_gain(gains: np.ndarray, seq_ids: list[int], room: int) -> tuple[np
     """Every (sequence row, k-th drafted node) whose marginal gain `gains[row, k - 1]` (non-
     increasing along a row) is at least MIN_GAIN, best first (ties: shallower node, then older
     sequence), at most `room`: (rows, k, gains)."""
-    if len(gains) == 1:  # one sequence (batch 1, every step): its row's order, no sort
-        depths = np.flatnonzero(gains[0] >= MIN_GAIN)[:room]
-        return np.zeros(len(depths), dtype=np.int64), depths + 1, gains[0, depths]
     rows, cols = np.nonzero(gains >= MIN_GAIN)
     values = gains[rows, cols]
     order = np.lexsort((np.asarray(seq_ids)[rows], cols, -values))[:room]
