@@ -162,7 +162,8 @@ class StepCost:
         added = self._added.get(base_tokens)
         if added is None or len(added) <= nodes:
             counts = np.arange(max(nodes, DENSE_UNTIL) + 1)
-            rows = self.curve.many(base_tokens + counts) - self.curve.many(np.asarray([base_tokens]))[0]
+            rows = self.curve.many(base_tokens + counts)
+            rows -= rows[0]  # the step's own rows (no nodes)
             added = (fit.tree_overhead * (counts > 0) + fit.scale * rows + fit.per_node * counts).tolist()
             self._added[base_tokens] = added
         return added

@@ -101,11 +101,11 @@ class TokenTree:
 
     @cached_property
     def batch_mask(self) -> torch.Tensor:
-        """`ancestor_mask` as a batch of one, [1, n, n] (read only: a chain's is kept for its
+        """`ancestor_mask` as a batch of one, [1, n, n] (read only: a short chain's is kept for its
         length): a step of this tree alone takes it as its masks without an op of its own."""
         n = len(self)
         if self.is_chain:  # a prompt chunk's is made afresh: kept for every length, they would add up to GBs
-            return _causal_mask(n) if n <= KEPT_CHAIN_MASKS else torch.ones(1, n, n, dtype=torch.bool).tril_()
+            return (_kept_causal_mask if n <= KEPT_CHAIN_MASKS else _causal_mask)(n)
         rows: list[list[bool]] = []
         for i, p in enumerate(self.parents):
             row = list(rows[p]) if p >= 0 else [False] * n
@@ -136,7 +136,9 @@ class TokenTree:
         return tuple(i for i, kids in enumerate(self.children) if not kids)
 
 
-@cache
 def _causal_mask(n: int) -> torch.Tensor:
-    """A chain's `batch_mask`: the lower triangle of n x n, [1, n, n] (kept, and never written)."""
+    """A chain's `batch_mask`: the lower triangle of n x n, [1, n, n]."""
     return torch.ones(1, n, n, dtype=torch.bool).tril_()
+
+
+_kept_causal_mask = cache(_causal_mask)  # one per short length, shared, so never written
